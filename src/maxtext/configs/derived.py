@@ -1,0 +1,242 @@
+"""Validation of key combinations and every derived value, computed in one place.
+
+Derived values (added to the loaded config):
+  layer_types               per-layer kinds, from `decoder_block` and `inhomogeneous_layer_cycle_interval` when
+                            base.yml's `layer_types` is empty.
+  kv_shared_source          per layer: -1, or the layer whose K/V a KV-shared layer reuses.
+  moe_layers                per layer: whether the MLP is a mixture of experts.
+  use_qk_norm, use_zero_centered_norm, use_sandwich_norm, use_embedding_scale, use_attention_output_gate:
+                            family traits of `decoder_block`.
+  rotary_dim, attention_scale, gdn_conv_dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from maxtext.configs.errors import ConfigError
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LINEAR_ATTENTION = "linear_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION)
+ATTENTION_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+DECODER_BLOCKS = ("llama2", "qwen3", "gemma3", "qwen3_next", "qwen3_5")
+HYBRID_GDN_BLOCKS = ("qwen3_next", "qwen3_5")
+DTYPES = ("float32", "bfloat16")
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "decoder_block": DECODER_BLOCKS,
+    "dtype": DTYPES,
+    "weight_dtype": DTYPES,
+    "kv_cache_dtype": ("auto",) + DTYPES,
+    "rope_type": ("default", "linear", "llama3"),
+    "kv_cache_layout": ("layer", "hybrid", "shuffled"),
+    "output_format": ("text", "json"),
+}
+_POSITIVE = (
+    "base_emb_dim",
+    "base_num_decoder_layers",
+    "base_num_query_heads",
+    "base_num_kv_heads",
+    "head_dim",
+    "base_mlp_dim",
+    "vocab_size",
+    "inhomogeneous_layer_cycle_interval",
+    "gdn_num_key_heads",
+    "gdn_num_value_heads",
+    "gdn_key_head_dim",
+    "gdn_value_head_dim",
+    "gdn_conv_kernel_dim",
+    "gdn_chunk_size",
+    "num_experts_per_tok",
+    "decoder_sparse_step",
+    "block_size",
+    "num_kv_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_target_length",
+    "ici_tensor_parallelism",
+    "rope_original_max_position_embeddings",
+)
+_NON_NEGATIVE = (
+    "sliding_window_size",
+    "num_kv_shared_layers",
+    "num_experts",
+    "base_moe_mlp_dim",
+    "shared_expert_mlp_dim",
+    "query_pre_attn_scalar",
+    "attn_logits_soft_cap",
+    "final_logits_soft_cap",
+    "max_new_tokens",
+    "logprobs",
+    "decode_sampling_temperature",
+    "seed",
+    "init_seed",
+)
+
+
+def _fail(key: str, value: Any, must: str) -> ConfigError:
+  return ConfigError(f"{key}={value!r}: {must}")
+
+
+def default_layer_types(values: Mapping[str, Any]) -> tuple[str, ...]:
+  """Per-layer kinds implied by the family when `layer_types` is not given."""
+  block = values["decoder_block"]
+  interval = values["inhomogeneous_layer_cycle_interval"]
+  n = values["base_num_decoder_layers"]
+  if block == "gemma3":
+    other = SLIDING_ATTENTION
+  elif block in HYBRID_GDN_BLOCKS:
+    other = LINEAR_ATTENTION
+  else:
+    return (FULL_ATTENTION,) * n
+  return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else other for i in range(n))
+
+
+def kv_shared_sources(layer_types: tuple[str, ...], num_kv_shared_layers: int) -> tuple[int, ...]:
+  """Source layer of every KV-shared layer (-1 for layers that compute their own K/V).
+
+  The last `num_kv_shared_layers` layers reuse the K/V of the last earlier non-shared layer of the same type.
+
+  Raises:
+    ConfigError: a shared layer is not an attention layer or has no earlier non-shared layer of its type.
+  """
+  n = len(layer_types)
+  first_shared = n - num_kv_shared_layers
+  sources = [-1] * n
+  for i in range(first_shared, n):
+    kind = layer_types[i]
+    if kind not in ATTENTION_LAYER_TYPES:
+      raise _fail("num_kv_shared_layers", num_kv_shared_layers, f"layer {i} is {kind}; only attention layers share K/V")
+    candidates = [j for j in range(first_shared) if layer_types[j] == kind]
+    if not candidates:
+      raise _fail(
+          "num_kv_shared_layers",
+          num_kv_shared_layers,
+          f"KV-shared layer {i} ({kind}) needs an earlier non-shared {kind} layer, and layers 0..{first_shared - 1}"
+          " have none",
+      )
+    sources[i] = candidates[-1]
+  return tuple(sources)
+
+
+def validate(values: Mapping[str, Any]) -> None:
+  """Checks every key's range and every combination of keys.
+
+  Raises:
+    ConfigError: naming the key, the value given and what must hold.
+  """
+  for key, choices in _CHOICES.items():
+    if values[key] not in choices:
+      raise _fail(key, values[key], f"must be one of {', '.join(choices)}")
+  for key in _POSITIVE:
+    if values[key] <= 0:
+      raise _fail(key, values[key], "must be > 0")
+  for key in _NON_NEGATIVE:
+    if values[key] < 0:
+      raise _fail(key, values[key], "must be >= 0")
+  hq, hkv = values["base_num_query_heads"], values["base_num_kv_heads"]
+  if hq % hkv:
+    raise _fail("base_num_query_heads", hq, f"must be divisible by base_num_kv_heads={hkv}")
+  nk, nv = values["gdn_num_key_heads"], values["gdn_num_value_heads"]
+  if nv % nk:
+    raise _fail("gdn_num_value_heads", nv, f"must be divisible by gdn_num_key_heads={nk}")
+
+  acts = values["mlp_activations"]
+  if len(acts) != 2 or acts[0] not in ("silu", "gelu_tanh") or acts[1] != "linear":
+    raise _fail("mlp_activations", list(acts), 'must be ["silu" or "gelu_tanh", "linear"] (a gated MLP)')
+
+  factor = values["partial_rotary_factor"]
+  if not 0.0 < factor <= 1.0:
+    raise _fail("partial_rotary_factor", factor, "must be in (0, 1]")
+  rotary_dim = int(values["head_dim"] * factor)
+  if rotary_dim < 2 or rotary_dim % 2:
+    raise _fail("partial_rotary_factor", factor, f"head_dim * factor = {rotary_dim} must be an even number >= 2")
+  if values["rope_scaling_factor"] <= 0:
+    raise _fail("rope_scaling_factor", values["rope_scaling_factor"], "must be > 0")
+  for key in ("rope_max_timescale", "local_rope_max_timescale"):
+    if values[key] <= 0:
+      raise _fail(key, values[key], "must be > 0")
+  if values["rope_type"] == "llama3" and values["rope_high_freq_factor"] <= values["rope_low_freq_factor"]:
+    raise _fail(
+        "rope_high_freq_factor",
+        values["rope_high_freq_factor"],
+        f"must be > rope_low_freq_factor={values['rope_low_freq_factor']} for rope_type=llama3",
+    )
+
+  n = values["base_num_decoder_layers"]
+  layer_types = values["layer_types"] or default_layer_types(values)
+  if len(layer_types) != n:
+    raise _fail("layer_types", list(layer_types), f"must have one entry per layer (base_num_decoder_layers={n})")
+  for i, kind in enumerate(layer_types):
+    if kind not in LAYER_TYPES:
+      raise _fail("layer_types", list(layer_types), f"entry {i} ({kind!r}) must be one of {', '.join(LAYER_TYPES)}")
+    if kind == LINEAR_ATTENTION and values["decoder_block"] not in HYBRID_GDN_BLOCKS:
+      raise _fail(
+          "layer_types",
+          list(layer_types),
+          f"layer {i} is linear_attention, which needs decoder_block in {', '.join(HYBRID_GDN_BLOCKS)}"
+          f" (got {values['decoder_block']!r})",
+      )
+  if SLIDING_ATTENTION in layer_types and values["sliding_window_size"] <= 0:
+    raise _fail(
+        "sliding_window_size", values["sliding_window_size"], "must be > 0 when there are sliding_attention layers"
+    )
+  if values["num_kv_shared_layers"] >= n:
+    raise _fail("num_kv_shared_layers", values["num_kv_shared_layers"], f"must be < base_num_decoder_layers={n}")
+  kv_shared_sources(tuple(layer_types), values["num_kv_shared_layers"])
+
+  experts = values["num_experts"]
+  if experts > 0:
+    if values["num_experts_per_tok"] > experts:
+      raise _fail("num_experts_per_tok", values["num_experts_per_tok"], f"must be <= num_experts={experts}")
+    if values["base_moe_mlp_dim"] <= 0:
+      raise _fail("base_moe_mlp_dim", values["base_moe_mlp_dim"], f"must be > 0 when num_experts={experts}")
+  for layer in values["mlp_only_layers"]:
+    if not 0 <= layer < n:
+      raise _fail("mlp_only_layers", list(values["mlp_only_layers"]), f"layer {layer} must be in [0, {n})")
+
+  vocab = values["vocab_size"]
+  for token in values["prompt_token_ids"]:
+    if not 0 <= token < vocab:
+      raise _fail(
+          "prompt_token_ids", list(values["prompt_token_ids"]), f"token {token} must be in [0, vocab_size={vocab})"
+      )
+  if values["max_num_batched_tokens"] < values["max_num_seqs"]:
+    raise _fail(
+        "max_num_batched_tokens",
+        values["max_num_batched_tokens"],
+        f"must be >= max_num_seqs={values['max_num_seqs']} (every scheduled request needs a token)",
+    )
+  if values["decode_sampling_nucleus_p"] > 1.0:
+    raise _fail("decode_sampling_nucleus_p", values["decode_sampling_nucleus_p"], "must be <= 1")
+
+
+def derive(values: Mapping[str, Any]) -> dict[str, Any]:
+  """Returns every derived value of a validated configuration (see the module docstring)."""
+  n = values["base_num_decoder_layers"]
+  block = values["decoder_block"]
+  layer_types = tuple(values["layer_types"]) or default_layer_types(values)
+  experts = values["num_experts"]
+  only_dense = set(values["mlp_only_layers"])
+  moe_layers = tuple(
+      experts > 0 and i not in only_dense and (i + 1) % values["decoder_sparse_step"] == 0 for i in range(n)
+  )
+  scalar = values["query_pre_attn_scalar"]
+  nk, nv = values["gdn_num_key_heads"], values["gdn_num_value_heads"]
+  return {
+      "layer_types": layer_types,
+      "kv_shared_source": kv_shared_sources(layer_types, values["num_kv_shared_layers"]),
+      "moe_layers": moe_layers,
+      "use_qk_norm": block in ("qwen3", "gemma3", "qwen3_next", "qwen3_5"),
+      "use_zero_centered_norm": block in ("gemma3", "qwen3_next", "qwen3_5"),
+      "use_sandwich_norm": block == "gemma3",
+      "use_embedding_scale": block == "gemma3",
+      "use_attention_output_gate": block in HYBRID_GDN_BLOCKS,
+      "rotary_dim": int(values["head_dim"] * values["partial_rotary_factor"]),
+      "attention_scale": (scalar if scalar > 0 else values["head_dim"]) ** -0.5,
+      "gdn_conv_dim": 2 * nk * values["gdn_key_head_dim"] + nv * values["gdn_value_head_dim"],
+  }

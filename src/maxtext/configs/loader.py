@@ -1,0 +1,177 @@
+"""Loading a configuration MaxText style: base YAML, then the model YAML, then `key=value` overrides."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_collections
+import yaml
+
+from maxtext.configs import derived
+from maxtext.configs.errors import ConfigError
+from maxtext.configs.schema import coerce_value, key_types, parse_command_line_value, suggest_key
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
+BASE_CONFIG_PATH = os.path.join(CONFIG_DIR, "base.yml")
+DEFAULT_MODEL_NAME = "default"
+
+
+class _StrictLoader(yaml.SafeLoader):  # pylint: disable=too-many-ancestors  # PyYAML's loader hierarchy
+  """A YAML loader that rejects a key set twice in one mapping (PyYAML silently keeps the last)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+  seen = {}
+  for key_node, _ in node.value:
+    key = loader.construct_object(key_node, deep=deep)
+    if key in seen:
+      raise ConfigError(
+          f"{loader.name}: key {key!r} is set twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1});"
+          " set each key once per file"
+      )
+    seen[key] = key_node.start_mark.line
+  return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+  """Reads a YAML mapping, rejecting duplicate keys.
+
+  Raises:
+    ConfigError: the file is missing, is not valid YAML, or is not a mapping.
+  """
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} does not exist")
+  with open(path, encoding="utf-8") as f:
+    loader = _StrictLoader(f)
+    loader.name = path
+    try:
+      data = loader.get_single_data()
+    except yaml.YAMLError as e:
+      raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    finally:
+      loader.dispose()
+  if data is None:
+    return {}
+  if not isinstance(data, dict):
+    raise ConfigError(f"{path}: must be a mapping of key: value, got {type(data).__name__}")
+  return data
+
+
+def available_models(base_path: str = BASE_CONFIG_PATH) -> list[str]:
+  """Returns the names of the model YAMLs in the `models/` folder beside the base config."""
+  models_dir = os.path.join(os.path.dirname(base_path), "models")
+  if not os.path.isdir(models_dir):
+    return []
+  return sorted(name[: -len(".yml")] for name in os.listdir(models_dir) if name.endswith(".yml"))
+
+
+def _model_config_path(model_name: str, base_path: str) -> str:
+  for directory in (os.path.dirname(base_path), CONFIG_DIR):
+    path = os.path.join(directory, "models", f"{model_name}.yml")
+    if os.path.isfile(path):
+      return path
+  known = sorted(set(available_models(base_path)) | set(available_models()))
+  raise ConfigError(
+      f"model_name={model_name!r}: no configs/models/{model_name}.yml{suggest_key(model_name, known)};"
+      f" known models: {', '.join(known)}"
+  )
+
+
+def _typed_layer(
+    values: Mapping[str, Any], types: Mapping[str, type], source: str, is_text: bool = False
+) -> dict[str, Any]:
+  layer = {}
+  for key, value in values.items():
+    if not isinstance(key, str) or key not in types:
+      raise ConfigError(f"unknown config key {key!r} ({source}){suggest_key(str(key), list(types))}")
+    if is_text:
+      value = parse_command_line_value(key, value, types[key])
+    layer[key] = coerce_value(key, value, types[key], source)
+  return layer
+
+
+def _parse_argv(argv: Sequence[str]) -> tuple[str, dict[str, str]]:
+  """Splits MaxText-style argv into (base YAML path, {key: text}); rejects a key given twice."""
+  args = list(argv)
+  base_path = BASE_CONFIG_PATH
+  if args and "=" not in args[0]:
+    base_path = args.pop(0)
+    if not base_path.endswith((".yml", ".yaml")):
+      raise ConfigError(f"{base_path!r}: the first argument must be a config YAML path or a key=value override")
+    # A bare file name (no folder) that is not in the working directory names a YAML shipped with the package.
+    if not os.path.isfile(base_path) and os.path.dirname(base_path) == "":
+      base_path = os.path.join(CONFIG_DIR, base_path)
+  overrides: dict[str, str] = {}
+  for arg in args:
+    if "=" not in arg:
+      raise ConfigError(f"argument {arg!r} must be key=value")
+    key, value = arg.split("=", 1)
+    key = key.strip()
+    if key in overrides:
+      raise ConfigError(f"{key} is set twice on the command line ({overrides[key]!r} and {value!r})")
+    overrides[key] = value
+  return base_path, overrides
+
+
+def load_config(argv: Sequence[str] = (), **overrides: Any) -> ml_collections.FrozenConfigDict:
+  """Loads, validates and derives a configuration.
+
+  Order (later wins): the base YAML (argv[0] if it is a .yml path, else the package's base.yml), then
+  `models/<model_name>.yml`, then the `key=value` items of argv and the keyword arguments (one layer: a key may
+  not be set in both).
+
+  Args:
+    argv: optional base YAML path followed by `key=value` strings, as on the MaxText command line.
+    **overrides: typed overrides, e.g. `model_name="qwen3-next-tiny", dtype="bfloat16"`.
+
+  Returns:
+    An immutable, hashable config: every base.yml key plus the derived values of `derived.derive`.
+
+  Raises:
+    ConfigError: an unknown key (with the closest known key), a key set twice in one layer, a value of the wrong
+      type, or an inconsistent combination of values.
+  """
+  if isinstance(argv, str):
+    raise ConfigError(f"argv must be a sequence of strings, got the string {argv!r}")
+  base_path, cli_text = _parse_argv(argv)
+  base = read_yaml(base_path)
+  types = key_types(read_yaml(BASE_CONFIG_PATH))
+  values = _typed_layer(base, types, base_path)
+  missing = sorted(set(types) - set(values))
+  if missing:
+    raise ConfigError(f"{base_path}: must set every key; missing {', '.join(missing)}")
+
+  both = sorted(set(cli_text) & set(overrides))
+  if both:
+    raise ConfigError(f"{', '.join(both)} set both on the command line and as a keyword argument; set it once")
+  override_layer = _typed_layer(cli_text, types, "command line", is_text=True)
+  override_layer.update(_typed_layer(overrides, types, "keyword argument"))
+
+  model_name = override_layer.get("model_name", values["model_name"])
+  if model_name != DEFAULT_MODEL_NAME:
+    model_path = _model_config_path(model_name, base_path)
+    model_layer = _typed_layer(read_yaml(model_path), types, model_path)
+    if "model_name" in model_layer and model_layer["model_name"] != model_name:
+      raise ConfigError(f"{model_path}: model_name={model_layer['model_name']!r} disagrees with the file name")
+    values.update(model_layer)
+  values.update(override_layer)
+  values["model_name"] = model_name
+
+  derived.validate(values)
+  values.update(derived.derive(values))
+  logger.debug("loaded config %s with overrides %s", model_name, sorted(override_layer))
+  return ml_collections.FrozenConfigDict(values)
+
+
+def config_to_dict(cfg: ml_collections.FrozenConfigDict) -> dict[str, Any]:
+  """Returns a plain, JSON-friendly dict of a loaded config (tuples become lists)."""
+  plain = cfg.as_configdict().to_dict()
+  return {k: list(v) if isinstance(v, tuple) else v for k, v in plain.items()}

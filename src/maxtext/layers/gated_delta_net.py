@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtext.layers.linears import DenseGeneral, scaled_normal
+from maxtext.layers.initializers import draw_key, fan_in_uniform, uniform
+from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.normalizations import RMSNorm, gated_rms_norm
 
 logger = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ class GatedDeltaNet(nnx.Module):
     self.b = DenseGeneral(emb_dim, num_value_heads, **kw)
     self.a = DenseGeneral(emb_dim, num_value_heads, **kw)
     self.conv = _Conv(conv_kernel_dim, self.conv_dim, weight_dtype=weight_dtype, rngs=rngs)
-    a_init = jax.random.uniform(rngs.params(), (num_value_heads,), jnp.float32, 1.0, 16.0)
+    a_init = uniform(draw_key(rngs), (num_value_heads,), jnp.float32, std=7.5 / 3**0.5, mean=8.5)  # U(1, 16)
     self.A_log = nnx.Param(jnp.log(a_init).astype(weight_dtype))  # pylint: disable=invalid-name  # canonical name
     self.dt_bias = nnx.Param(jnp.ones((num_value_heads,), weight_dtype))
     self.norm = RMSNorm(value_head_dim, eps=norm_eps, zero_centered=False, weight_dtype=weight_dtype)
@@ -288,4 +289,4 @@ class _Conv(nnx.Module):
   """Holds the depthwise conv weight `kernel [K, C]` (HF conv1d.weight [C, 1, K] transposed)."""
 
   def __init__(self, width: int, channels: int, *, weight_dtype: jnp.dtype, rngs: nnx.Rngs):
-    self.kernel = nnx.Param(scaled_normal(rngs.params(), (width, channels), weight_dtype, width))
+    self.kernel = nnx.Param(fan_in_uniform(draw_key(rngs), (width, channels), weight_dtype, width))

@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 from maxtext.configs import load_config
+from maxtext.inference.batch import build_batch
+from maxtext.inference.kv_cache_manager import KVCacheManager
+from maxtext.inference.scheduler import Scheduler
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
@@ -119,3 +122,131 @@ def fixture_spec_types():
 def fixture_np_rng():
   """A seeded NumPy generator."""
   return np.random.default_rng(1234)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A stand-in model that runs on the batch arrays: it writes each token into a simulated paged cache through the
+# block tables, folds it into a simulated recurrent state through mamba_state_indices, and predicts the next
+# token from what it reads back. Any wrong block table, position, seq_len, state slot or missing slot zeroing
+# changes the tokens (or trips an assertion), so comparing with `reference_generate` checks the whole pipeline.
+_MODULUS = (1 << 61) - 1
+
+
+def mix_state(state, token):
+  """One recurrent-state update of the fake model."""
+  return (state * 1000003 + token + 1) % _MODULUS
+
+
+def next_token(tokens, state):
+  """The fake model's prediction from the whole sequence (and the recurrent state; 0 without recurrent layers)."""
+  return 3 + (sum((i + 1) * t for i, t in enumerate(tokens)) + state) % 251
+
+
+def reference_generate(prompt, params, max_target_length, has_recurrent, eos_token_id=None):
+  """What the fake model generates for one prompt without any runner machinery."""
+  tokens, out = list(prompt), []
+  while True:
+    state = 0
+    if has_recurrent:
+      for t in tokens:
+        state = mix_state(state, t)
+    token = next_token(tokens, state)
+    out.append(token)
+    tokens.append(token)
+    if token in params.stop_token_ids or token == eos_token_id:
+      return out, "stop"
+    if len(out) >= params.max_tokens or len(tokens) >= max_target_length:
+      return out, "length"
+
+
+class PagedFakeModel:
+  """Runs a step on the batch arrays (see the comment above)."""
+
+  def __init__(self, manager):
+    self.manager = manager
+    self.caches = {
+        g.group_id: np.full((manager.num_blocks, g.block_size), -1, np.int64)
+        for g in manager.groups
+        if g.kind == "attention"
+    }
+    self.states = [0] * manager.num_state_slots
+
+  def step(self, batch, slots_to_zero):
+    """Returns {request id: predicted token} for every request of the batch."""
+    for slot in slots_to_zero:
+      self.states[slot] = 0
+    rows = batch.seq_lens.shape[0]
+    tables = {gid: batch.block_tables[gid].reshape(rows, -1) for gid in self.caches}
+    qsl = batch.query_start_loc
+    assert batch.request_distribution.tolist() == [batch.num_decodes, batch.num_decodes, batch.num_reqs]
+    predictions = {}
+    for i, rid in enumerate(batch.request_ids):
+      length = int(batch.seq_lens[i])
+      tokens = batch.input_ids[qsl[i] : qsl[i + 1]].tolist()
+      positions = batch.positions[qsl[i] : qsl[i + 1]].tolist()
+      assert positions == list(range(length - len(tokens), length)), (rid, positions, length)
+      reads = {}
+      for gid, cache in self.caches.items():
+        group = self.manager.groups[gid]
+        for p, t in zip(positions, tokens):
+          block = tables[gid][i, p // group.block_size]
+          assert block != 0, f"{rid}: token at position {p} written to the null block in group {gid}"
+          cache[block, p % group.block_size] = t
+        visible = range(max(0, length - (group.sliding_window or length)), length)
+        blocks = [tables[gid][i, p // group.block_size] for p in visible]
+        assert 0 not in blocks, f"{rid}: the last query's window reads the null block in group {gid}"
+        reads[gid] = [int(cache[b, p % group.block_size]) for b, p in zip(blocks, visible)]
+      full_sequence = next(read for gid, read in reads.items() if not self.manager.groups[gid].sliding_window)
+      for gid, read in reads.items():
+        assert read == full_sequence[len(full_sequence) - len(read) :], f"{rid}: group {gid} read {read}"
+      state = 0
+      if batch.mamba_state_indices is not None:
+        slot = int(batch.mamba_state_indices[i])
+        assert slot != 0, f"{rid}: real request uses the null state slot"
+        state = self.states[slot]
+        for t in tokens:
+          state = mix_state(state, t)
+        self.states[slot] = state
+      predictions[rid] = next_token(full_sequence, state)
+    return predictions
+
+
+def run_requests(cfg, requests, make_specs, *, eos_token_id=None, num_state_slots=None, max_steps=2000):
+  """Drives scheduler + batch builder + fake model until every request finishes; checks per-step invariants.
+
+  Returns:
+    (list of SchedulerOutput, ids of the running requests before each step in arrival order, the manager).
+  """
+  specs, shared = make_specs(cfg)
+  manager = KVCacheManager(cfg, specs, shared, num_state_slots=num_state_slots)
+  scheduler = Scheduler(cfg, manager, eos_token_id=eos_token_id)
+  model = PagedFakeModel(manager)
+  for request in requests:
+    scheduler.add_request(request)
+  outputs, running_before = [], []
+  while scheduler.has_unfinished_requests():
+    assert len(outputs) < max_steps, "the scheduler does not make progress"
+    running_before.append([r.request_id for r in scheduler.running])
+    out = scheduler.schedule()
+    counts = [n for _, n in out.scheduled]
+    assert 0 < sum(counts) <= cfg.max_num_batched_tokens and len(counts) <= cfg.max_num_seqs
+    assert counts == sorted(counts, key=lambda n: n != 1), "decodes must come first"
+    assert not set(out.preempted_request_ids) & {r.request_id for r, _ in out.scheduled}
+    assert len(scheduler.running) <= cfg.max_num_seqs
+    batch = build_batch(cfg, out, manager)
+    predictions = model.step(batch, out.slots_to_zero)
+    scheduler.update_from_output(out, {rid: predictions[rid] for rid in out.sampling_request_ids})
+    outputs.append(out)
+  return outputs, running_before, manager
+
+
+@pytest.fixture(name="run")
+def fixture_run(make_specs):
+  """`run(cfg, requests, **kwargs)`: see `run_requests`."""
+  return lambda cfg, requests, **kwargs: run_requests(cfg, requests, make_specs, **kwargs)
+
+
+@pytest.fixture(name="reference")
+def fixture_reference():
+  """`reference(prompt, params, max_target_length, has_recurrent, eos_token_id=None) -> (tokens, reason)`."""
+  return reference_generate

@@ -170,8 +170,9 @@ class Scheduler:
     for request in decodes + prefills:
       if request.status != RequestStatus.RUNNING:
         continue  # preempted earlier in this call
-      if budget == 0:
-        break
+      # Each admission costs budget and admission stops when it runs out, so there are never more running
+      # requests than budget tokens, and decodes (1 token each) lead: every running request gets a token.
+      assert budget > 0, "more running requests than max_num_batched_tokens"
       n = min(request.num_remaining_tokens, budget)
       while not self.kv_cache_manager.allocate_slots(request.request_id, request.num_computed_tokens, n):
         victim = self.running[-1]

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from maxtext.inference import SamplingParams
+from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
 from maxtext.inference.batch import (
     METADATA_FIELDS,
     build_batch,
@@ -69,6 +70,12 @@ def test_mixed_batch_decode_chunked_prefill_and_new_prefill(configs, make_specs)
   for name in ("input_positions", "seq_lens", "query_start_loc", "request_distribution", "mamba_state_indices"):
     assert groups[0][name] is groups[1][name]
   assert groups[0]["input_positions"] is batch.positions and groups[1]["padded_num_reqs"] == 8
+
+  metadata = [AttentionMetadata(**fields) for fields in groups]  # the engine's one-line construction
+  for md in metadata:
+    md.validate()
+  grouped = GroupedAttentionMetadata(metadata, batch.layer_names_per_group)
+  assert grouped["layer.3"] is grouped["layer.7"] is metadata[1] and grouped["layer.0"] is metadata[0]
 
 
 def test_sliding_group_table_has_null_entries_for_freed_blocks(configs, make_specs):

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtext.kernels.attention_metadata import AttentionMetadata
+from maxtext.kernels.ragged_paged_attention import ragged_paged_attention
 from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.normalizations import RMSNorm
 from maxtext.layers.rotary import RopeSpec, apply_rope
@@ -158,6 +160,48 @@ class Attention(nnx.Module):
     if self.gate is not None:
       attn = attn * jax.nn.sigmoid(self.gate(x))
     return self.o(attn)
+
+  def paged(
+      self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
+  ) -> tuple[jax.Array, jax.Array]:
+    """Runner path: a flat ragged batch against this layer's paged cache (contract.md section 4).
+
+    The new tokens' K/V are written at their positions, then every query attends causally (and within the
+    window) over its request's pages. A KV-shared layer computes no K/V: it reads the cache its source layer has
+    just updated in this same step and writes nothing.
+
+    Args:
+      x: `[T, D]` normalised hidden states of the flat batch.
+      positions: `[T]` RoPE positions.
+      kv_cache: `[N, bs, 2Hkv/pk, pk, Dpad]` paged cache (for a KV-shared layer, the source's updated cache).
+      md: this layer's metadata (its KV-cache group's block tables).
+
+    Returns:
+      output `[T, D]` and the cache (the same object for KV-shared layers).
+    """
+    q = self.query(x, positions)
+    if self.is_kv_shared:
+      k = v = None
+    else:
+      k, v = self.key_value(x, positions)
+    out, new_cache = ragged_paged_attention(
+        q,
+        k,
+        v,
+        kv_cache,
+        md.seq_lens,
+        md.block_tables,
+        md.query_start_loc,
+        md.request_distribution,
+        sm_scale=self.scale,
+        sliding_window=self.sliding_window or None,
+        soft_cap=self.soft_cap or None,
+        update_kv_cache=not self.is_kv_shared,
+        num_kv_heads=self.num_kv_heads,
+    )
+    if self.is_kv_shared:
+      new_cache = kv_cache  # Readers hand back the object they were given: exactly one writer per slot.
+    return self.output(out.astype(self.dtype), x), new_cache
 
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
       self,

@@ -12,6 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtext.kernels.attention_metadata import AttentionMetadata
+from maxtext.kernels.ragged_conv1d import ragged_conv1d
+from maxtext.kernels.ragged_gated_delta_rule import ragged_gated_delta_rule
 from maxtext.layers.initializers import draw_key, fan_in_uniform, uniform
 from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.normalizations import RMSNorm, gated_rms_norm
@@ -279,6 +282,40 @@ class GatedDeltaNet(nnx.Module):
     else:
       o, recurrent_state = delta_rule_recurrent(q, k, v, g, beta, initial_state=recurrent_state)
     return self.output(o, z), conv_state, recurrent_state
+
+  def paged(
+      self, x: jax.Array, state: tuple[jax.Array, jax.Array], md: AttentionMetadata
+  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Runner path: a flat ragged batch continuing each request from its state slot (contract.md section 5).
+
+    Args:
+      x: `[T, D]` normalised hidden states of the flat batch.
+      state: `(conv_state [M, K-1, C], recurrent_state [M, nv, hk, hv] float32)`, addressed by
+        `md.mamba_state_indices` (slot 0 is the null slot).
+      md: the step's metadata (block tables are ignored).
+
+    Returns:
+      output `[T, D]` and the new `(conv_state, recurrent_state)`.
+
+    Raises:
+      ValueError: the metadata has no `mamba_state_indices`.
+    """
+    if md.mamba_state_indices is None:
+      raise ValueError("a linear_attention layer needs attention_metadata.mamba_state_indices (its state slots)")
+    conv_state, recurrent_state = state
+    qkv, z, b, a = self.project(x)
+    weight = jnp.transpose(self.conv.kernel[...])[:, None, :]  # [K, C] -> the runner's [C, 1, K]
+    args = (md.mamba_state_indices, md.query_start_loc, md.seq_lens, md.request_distribution)
+    conv_out, conv_state = ragged_conv1d(qkv, conv_state, weight, None, *args)
+    nkk = self.nk * self.hk
+    t = conv_out.shape[0]
+    q = conv_out[:, :nkk].reshape(t, self.nk, self.hk)
+    k = conv_out[:, nkk : 2 * nkk].reshape(t, self.nk, self.hk)
+    v = conv_out[:, 2 * nkk :].reshape(t, self.nv, self.hv)
+    o, recurrent_state = ragged_gated_delta_rule(
+        q, k, v, b, a, self.A_log[...], self.dt_bias[...], recurrent_state, *args
+    )
+    return self.output(o, z), (conv_state, recurrent_state)
 
   def __call__(self, x: jax.Array, *, chunked: bool = True) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
     """Full-sequence causal mixer from zero state: `[B, T, D] -> [B, T, D]`."""

@@ -1,12 +1,14 @@
 """One decoder layer of the hybrid stack: norm -> mixer (attention or Gated DeltaNet) -> norm -> MLP or MoE."""
 
 import logging
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.layers.attention import Attention
 from maxtext.layers.gated_delta_net import GatedDeltaNet
 from maxtext.layers.mlp import MLP
@@ -112,12 +114,17 @@ class DecoderLayer(nnx.Module):
       self.moe = None
       self.mlp = MLP(d, cfg.base_mlp_dim, activation=activation, use_bias=cfg.mlp_bias, **kw)
 
-  def mixer(self, x: jax.Array, positions: jax.Array, shared_kv: KV | None = None) -> tuple[jax.Array, KV | None]:
-    """Token mixer on normalised input: `[B, T, D] -> [B, T, D]`, plus the attention layer's `(k, v)`."""
+  def mixer(
+      self, x: jax.Array, positions: jax.Array, shared_kv: KV | None = None, *, gdn_chunked: bool = True
+  ) -> tuple[jax.Array, KV | None]:
+    """Token mixer on normalised input: `[B, T, D] -> [B, T, D]`, plus the attention layer's `(k, v)`.
+
+    `gdn_chunked` picks the Gated DeltaNet form: chunked (default) or the per-token recurrence.
+    """
     if self.gdn is not None:
       if shared_kv is not None:
         raise ValueError(f"layer {self.layer_index} is linear_attention and cannot take shared K/V")
-      return self.gdn(x), None
+      return self.gdn(x, chunked=gdn_chunked), None
     return self.attn(x, positions, shared_kv)
 
   def feed_forward(self, x: jax.Array) -> jax.Array:
@@ -137,8 +144,28 @@ class DecoderLayer(nnx.Module):
       y = self.post_mlp_norm(y)
     return x + y
 
+  def paged(self, x: jax.Array, positions: jax.Array, cache: Any, md: AttentionMetadata) -> tuple[jax.Array, Any]:
+    """Runner path over a flat ragged batch, reusing the dense path's projections, norms and MLP.
+
+    Args:
+      x: `[T, D]` residual stream.
+      positions: `[T]`.
+      cache: this layer's paged KV cache, or its `(conv_state, recurrent_state)` pair; a KV-shared layer gets the
+        cache its source layer returned in this step.
+      md: this layer's attention metadata.
+
+    Returns:
+      new residual `[T, D]` and the layer's cache after the step.
+    """
+    h = self.input_norm(x)
+    if self.gdn is not None:
+      mixed, cache = self.gdn.paged(h, cache, md)
+    else:
+      mixed, cache = self.attn.paged(h, positions, cache, md)
+    return self.residual_feed_forward(self.residual_mixer(x, mixed)), cache
+
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
-      self, x: jax.Array, positions: jax.Array, shared_kv: KV | None = None
+      self, x: jax.Array, positions: jax.Array, shared_kv: KV | None = None, *, gdn_chunked: bool = True
   ) -> tuple[jax.Array, KV | None]:
     """Dense full-sequence layer.
 
@@ -146,9 +173,10 @@ class DecoderLayer(nnx.Module):
       x: `[B, T, D]` residual stream.
       positions: `[B, T]`.
       shared_kv: the source layer's `(k, v)` for KV-shared layers, else None.
+      gdn_chunked: Gated DeltaNet form (chunked, or the per-token recurrence; they agree to fp32 rounding).
 
     Returns:
       new residual `[B, T, D]` and this layer's `(k, v)` (None for Gated DeltaNet layers).
     """
-    mixed, kv = self.mixer(self.input_norm(x), positions, shared_kv)
+    mixed, kv = self.mixer(self.input_norm(x), positions, shared_kv, gdn_chunked=gdn_chunked)
     return self.residual_feed_forward(self.residual_mixer(x, mixed)), kv

@@ -2,12 +2,15 @@
 
 import logging
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.layers.embeddings import Embed
 from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.normalizations import RMSNorm
@@ -46,7 +49,7 @@ class Transformer(nnx.Module):
     """Token embeddings `[...]` -> `[..., D]` (Gemma3: scaled by sqrt(D) in the weight dtype)."""
     return self.embedder(tokens)
 
-  def decode_hidden(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+  def decode_hidden(self, x: jax.Array, positions: jax.Array | None = None, *, gdn_chunked: bool = True) -> jax.Array:
     """Runs every layer over a full causal sequence and the final norm.
 
     KV-shared layers take the K/V that their source layer computed in this same pass.
@@ -54,6 +57,7 @@ class Transformer(nnx.Module):
     Args:
       x: `[B, T, D]` input embeddings.
       positions: `[B, T]` RoPE positions (default `arange(T)` for every row).
+      gdn_chunked: Gated DeltaNet form: chunked (default) or the per-token recurrence the runner's kernel uses.
 
     Returns:
       `[B, T, D]` final-normed hidden states.
@@ -69,10 +73,50 @@ class Transformer(nnx.Module):
     kv_by_layer: dict[int, KV] = {}
     for i, layer in enumerate(self.layers):
       source = layer.kv_source
-      x, kv = layer(x, positions, kv_by_layer[source] if source >= 0 else None)
+      x, kv = layer(x, positions, kv_by_layer[source] if source >= 0 else None, gdn_chunked=gdn_chunked)
       if i in sources:
         kv_by_layer[i] = kv
     return self.final_norm(x)
+
+  def forward_paged(
+      self,
+      x: jax.Array,
+      positions: jax.Array,
+      layer_caches: Sequence[Any],
+      layer_metadata: Sequence[AttentionMetadata],
+  ) -> tuple[jax.Array, list[Any]]:
+    """Runner path: every layer over a flat ragged batch with its own cache and metadata, then the final norm.
+
+    A KV-shared layer reads the cache its source layer returned in this same step (the caller's list holds the
+    source's cache from before the step, which lacks the current tokens' K/V), and hands that object back
+    unchanged, so exactly one layer writes each physical slot.
+
+    Args:
+      x: `[T, D]` input embeddings of the flat batch.
+      positions: `[T]` positions (from the metadata).
+      layer_caches: one cache per layer, in layer order (paged KV array or `(conv, recurrent)` pair).
+      layer_metadata: one `AttentionMetadata` per layer, in layer order (its KV-cache group's).
+
+    Returns:
+      `[T, D]` final-normed hidden states and the caches after the step, in layer order.
+
+    Raises:
+      ValueError: the lists do not have one entry per layer, or x / positions have the wrong rank.
+    """
+    n = len(self.layers)
+    if len(layer_caches) != n or len(layer_metadata) != n:
+      raise ValueError(
+          f"forward_paged needs one cache and one metadata per layer ({n} layers); got {len(layer_caches)} caches"
+          f" and {len(layer_metadata)} metadata"
+      )
+    if x.ndim != 2 or positions.shape != x.shape[:1]:
+      raise ValueError(f"forward_paged expects x [T, D] and positions [T]; got {x.shape} and {positions.shape}")
+    new_caches: list[Any] = []
+    for i, layer in enumerate(self.layers):
+      cache = new_caches[layer.kv_source] if layer.kv_source >= 0 else layer_caches[i]
+      x, cache = layer.paged(x, positions, cache, layer_metadata[i])
+      new_caches.append(cache)
+    return self.final_norm(x), new_caches
 
   def compute_logits(self, hidden: jax.Array) -> jax.Array:
     """Output head (tied or untied) and the optional final tanh soft cap: `[..., D] -> [..., V]`."""
@@ -86,20 +130,21 @@ class Transformer(nnx.Module):
     return logits
 
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
-      self, tokens: jax.Array, positions: jax.Array | None = None
+      self, tokens: jax.Array, positions: jax.Array | None = None, *, gdn_chunked: bool = True
   ) -> jax.Array:
     """Dense causal forward.
 
     Args:
       tokens: `[B, T]` int32 ids.
       positions: `[B, T]` or None (`arange(T)`).
+      gdn_chunked: Gated DeltaNet form (see `decode_hidden`).
 
     Returns:
       logits `[B, T, V]` in `cfg.dtype`.
     """
     if tokens.ndim != 2:
       raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}")
-    return self.compute_logits(self.decode_hidden(self.embed(tokens), positions))
+    return self.compute_logits(self.decode_hidden(self.embed(tokens), positions, gdn_chunked=gdn_chunked))
 
 
 def abstract_model(cfg: ml_collections.FrozenConfigDict) -> Transformer:

@@ -1,0 +1,73 @@
+"""Token embedding with an optional sqrt(D) scale, and the tied output head (`attend`)."""
+
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+logger = logging.getLogger(__name__)
+
+
+def embed_tokens(embedding: jax.Array, tokens: jax.Array, *, scale: float | None, dtype: jnp.dtype) -> jax.Array:
+  """Looks up token embeddings.
+
+  Args:
+    embedding: `[V, D]` table.
+    tokens: `[...]` integer ids.
+    scale: multiplier (Gemma: sqrt(D)); it is cast to the table's dtype first and the product is formed in that
+      dtype, so in bfloat16 sqrt(3072) becomes 55.5. None = no scaling.
+    dtype: compute dtype of the result.
+
+  Returns:
+    `[..., D]` in `dtype`.
+  """
+  x = jnp.take(embedding, tokens, axis=0)
+  if scale is not None:
+    x = x * jnp.asarray(scale, dtype=jnp.float32).astype(embedding.dtype)
+  return x.astype(dtype)
+
+
+def attend(embedding: jax.Array, x: jax.Array, *, dtype: jnp.dtype) -> jax.Array:
+  """Tied output head: `x @ embedding^T`.
+
+  Args:
+    embedding: `[V, D]` table.
+    x: `[..., D]` hidden states.
+    dtype: compute dtype.
+
+  Returns:
+    `[..., V]` logits in `dtype`.
+  """
+  return jnp.einsum("...d,vd->...v", x.astype(dtype), embedding.astype(dtype))
+
+
+class Embed(nnx.Module):
+  """Token embedding table `embedding [V, D]` (init Normal(0, 1/D))."""
+
+  def __init__(
+      self,
+      num_embeddings: int,
+      features: int,
+      *,
+      use_scale: bool = False,
+      dtype: jnp.dtype = jnp.float32,
+      weight_dtype: jnp.dtype = jnp.float32,
+      rngs: nnx.Rngs,
+  ):
+    if num_embeddings <= 0 or features <= 0:
+      raise ValueError(f"Embed needs positive sizes, got num_embeddings={num_embeddings}, features={features}")
+    self.features = int(features)
+    self.scale = math.sqrt(features) if use_scale else None
+    self.dtype = jnp.dtype(dtype)
+    init = jax.random.normal(rngs.params(), (num_embeddings, features), jnp.float32) / math.sqrt(features)
+    self.embedding = nnx.Param(init.astype(weight_dtype))
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
+    """Embeds `[...]` ids -> `[..., D]`."""
+    return embed_tokens(self.embedding[...], tokens, scale=self.scale, dtype=self.dtype)
+
+  def attend(self, x: jax.Array) -> jax.Array:
+    """Tied head: `[..., D]` -> `[..., V]`."""
+    return attend(self.embedding[...], x, dtype=self.dtype)

@@ -1,0 +1,291 @@
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention): causal conv, gated delta rule, gated RMSNorm.
+
+The delta rule has two forms that agree: a chunked full-sequence form (UT transform, triangular solve per chunk)
+and a per-token recurrent form. Both run in float32 and take an optional initial state, so prefill/decode and a
+paged kernel can reuse the projection, conv, gate and output code around them.
+"""
+
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtext.layers.linears import DenseGeneral, scaled_normal
+from maxtext.layers.normalizations import RMSNorm, gated_rms_norm
+
+logger = logging.getLogger(__name__)
+
+L2_NORM_EPS = 1e-6
+
+
+def causal_conv1d(x: jax.Array, kernel: jax.Array, state: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Depthwise causal conv: `y_t = sum_k kernel[k] * x_{t-K+1+k}` (kernel[K-1] multiplies x_t), in float32.
+
+  Args:
+    x: `[B, T, C]`.
+    kernel: `[K, C]`.
+    state: `[B, K-1, C]` the K-1 inputs before x (zeros when None).
+
+  Returns:
+    y `[B, T, C]` float32 and the new state `[B, K-1, C]` (last K-1 inputs, dtype of x).
+  """
+  b, t, c = x.shape
+  width = kernel.shape[0]
+  if state is None:
+    state = jnp.zeros((b, width - 1, c), x.dtype)
+  xp = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, T+K-1, C]
+  xp32 = xp.astype(jnp.float32)
+  k32 = kernel.astype(jnp.float32)
+  y = sum(xp32[:, i : i + t] * k32[i] for i in range(width))
+  return y, xp[:, t:]
+
+
+def l2_normalize(x: jax.Array, eps: float = L2_NORM_EPS) -> jax.Array:
+  """`x * rsqrt(sum(x^2) + eps)` over the last axis, in float32."""
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def gdn_gates(a: jax.Array, b: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Log-decay `g = -exp(A_log) * softplus(a + dt_bias)` and write strength `beta = sigmoid(b)`, float32.
+
+  Args:
+    a: `[..., nv]`.
+    b: `[..., nv]`.
+    a_log: `[nv]`.
+    dt_bias: `[nv]`.
+
+  Returns:
+    g `[..., nv]` (<= 0) and beta `[..., nv]`.
+  """
+  f32 = jnp.float32
+  g = -jnp.exp(a_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))
+  return g, jax.nn.sigmoid(b.astype(f32))
+
+
+def _zero_state(q: jax.Array, v: jax.Array) -> jax.Array:
+  return jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+
+
+def delta_rule_recurrent(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Per-token gated delta rule: `S = e^g S; S += k (beta (v - k^T S))^T; o = q^T S`.
+
+  Args:
+    q: `[B, T, H, dk]` (normalised and scaled).
+    k: `[B, T, H, dk]` (normalised).
+    v: `[B, T, H, dv]`.
+    g: `[B, T, H]` log-decay.
+    beta: `[B, T, H]`.
+    initial_state: `[B, H, dk, dv]` or None (zeros).
+
+  Returns:
+    o `[B, T, H, dv]` and the final state `[B, H, dk, dv]`, both float32.
+  """
+  state = _zero_state(q, v) if initial_state is None else initial_state.astype(jnp.float32)
+  xs = [jnp.moveaxis(a.astype(jnp.float32), 1, 0) for a in (q, k, v, g, beta)]
+
+  def step(s, inputs):
+    q_t, k_t, v_t, g_t, b_t = inputs
+    s = s * jnp.exp(g_t)[..., None, None]
+    delta = (v_t - jnp.einsum("bhk,bhkv->bhv", k_t, s)) * b_t[..., None]
+    s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta)
+    return s, jnp.einsum("bhk,bhkv->bhv", q_t, s)
+
+  state, o = jax.lax.scan(step, state, xs)
+  return jnp.moveaxis(o, 0, 1), state
+
+
+def delta_rule_chunked(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    chunk_size: int,
+    initial_state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Chunked gated delta rule (same result as `delta_rule_recurrent`), float32.
+
+  Within a chunk with cumulative log-decay G, the pending writes u solve the unit lower-triangular system
+  `(I + L) u = beta v - (beta k e^G) S0`, `L_ij = beta_i (k_i . k_j) e^(G_i - G_j)` for j < i; outputs are
+  `e^G_i q_i^T S0 + sum_{j<=i} e^(G_i - G_j) (q_i . k_j) u_j` and the state carried to the next chunk is
+  `e^G_C S0 + sum_j e^(G_C - G_j) k_j u_j^T`. T is zero-padded to a multiple of the chunk (padding has k = 0,
+  beta = 0, g = 0, so it leaves the state unchanged).
+
+  Args: as `delta_rule_recurrent`, plus `chunk_size` (tokens per chunk).
+
+  Returns:
+    o `[B, T, H, dv]` and the final state `[B, H, dk, dv]`.
+  """
+  if chunk_size <= 0:
+    raise ValueError(f"gdn chunk_size must be positive, got {chunk_size}")
+  f32 = jnp.float32
+  bsz, t, h, _ = q.shape
+  dv = v.shape[-1]
+  state = _zero_state(q, v) if initial_state is None else initial_state.astype(f32)
+  c = min(chunk_size, t)
+  n = math.ceil(t / c)
+  pad = n * c - t
+
+  def chunks(a):  # [B, T, H, ...] -> [N, B, H, C, ...]
+    a = jnp.pad(a.astype(f32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+    a = a.reshape(bsz, n, c, h, *a.shape[3:])
+    return jnp.moveaxis(jnp.moveaxis(a, 3, 2), 1, 0)
+
+  qc, kc, vc, gc, bc = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+  gc = jnp.cumsum(gc, axis=-1)  # [N, B, H, C]
+  idx = jnp.arange(c)
+  incl = idx[:, None] >= idx[None, :]
+  decay = jnp.exp(jnp.where(incl, gc[..., :, None] - gc[..., None, :], -jnp.inf))  # [N, B, H, C, C]
+  kb = kc * bc[..., None]
+  lower = jnp.where(idx[:, None] > idx[None, :], jnp.einsum("...id,...jd->...ij", kb, kc) * decay, 0.0)
+  system = lower + jnp.eye(c, dtype=f32)
+  rhs = jnp.concatenate([vc * bc[..., None], kb * jnp.exp(gc)[..., None]], axis=-1)
+  sol = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+  u, w = sol[..., :dv], sol[..., dv:]  # [N, B, H, C, dv], [N, B, H, C, dk]
+  qk = jnp.einsum("...id,...jd->...ij", qc, kc) * decay
+  q_decayed = qc * jnp.exp(gc)[..., None]
+  k_to_end = kc * jnp.exp(gc[..., -1:] - gc)[..., None]
+  end_decay = jnp.exp(gc[..., -1])[..., None, None]
+
+  def step(s, inputs):
+    u_n, w_n, qk_n, qd_n, ke_n, ed_n = inputs
+    v_new = u_n - jnp.einsum("bhck,bhkv->bhcv", w_n, s)
+    o_n = jnp.einsum("bhck,bhkv->bhcv", qd_n, s) + jnp.einsum("bhij,bhjv->bhiv", qk_n, v_new)
+    s = s * ed_n + jnp.einsum("bhck,bhcv->bhkv", ke_n, v_new)
+    return s, o_n
+
+  state, o = jax.lax.scan(step, state, (u, w, qk, q_decayed, k_to_end, end_decay))
+  o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, dv]
+  o = jnp.moveaxis(o, 2, 3).reshape(bsz, n * c, h, dv)[:, :t]
+  return o, state
+
+
+class GatedDeltaNet(nnx.Module):
+  """Gated DeltaNet mixer with parameters `qkv`, `z`, `b`, `a`, `conv`, `A_log`, `dt_bias`, `norm`, `out`.
+
+  Channel order of `qkv` and `conv` is flat `[q nk*hk | k nk*hk | v nv*hv]`; value head `g*r + j` (r = nv/nk)
+  reads key head `g`.
+  """
+
+  def __init__(
+      self,
+      *,
+      emb_dim: int,
+      num_key_heads: int,
+      num_value_heads: int,
+      key_head_dim: int,
+      value_head_dim: int,
+      conv_kernel_dim: int,
+      chunk_size: int = 64,
+      norm_eps: float = 1e-6,
+      dtype: jnp.dtype = jnp.float32,
+      weight_dtype: jnp.dtype = jnp.float32,
+      rngs: nnx.Rngs,
+  ):
+    if min(num_key_heads, num_value_heads, key_head_dim, value_head_dim) <= 0 or num_value_heads % num_key_heads:
+      raise ValueError(
+          f"gdn value heads ({num_value_heads}) must be a positive multiple of key heads ({num_key_heads}), "
+          f"head dims positive (got {key_head_dim}, {value_head_dim})"
+      )
+    if conv_kernel_dim < 1 or chunk_size < 1:
+      raise ValueError(f"gdn conv_kernel_dim and chunk_size must be >= 1, got {conv_kernel_dim}, {chunk_size}")
+    self.nk, self.nv, self.hk, self.hv = num_key_heads, num_value_heads, key_head_dim, value_head_dim
+    self.conv_dim = 2 * num_key_heads * key_head_dim + num_value_heads * value_head_dim
+    self.chunk_size = int(chunk_size)
+    self.dtype = jnp.dtype(dtype)
+    kw = {"dtype": dtype, "weight_dtype": weight_dtype, "rngs": rngs}
+    self.qkv = DenseGeneral(emb_dim, self.conv_dim, **kw)
+    self.z = DenseGeneral(emb_dim, num_value_heads * value_head_dim, **kw)
+    self.b = DenseGeneral(emb_dim, num_value_heads, **kw)
+    self.a = DenseGeneral(emb_dim, num_value_heads, **kw)
+    self.conv = _Conv(conv_kernel_dim, self.conv_dim, weight_dtype=weight_dtype, rngs=rngs)
+    a_init = jax.random.uniform(rngs.params(), (num_value_heads,), jnp.float32, 1.0, 16.0)
+    self.A_log = nnx.Param(jnp.log(a_init).astype(weight_dtype))  # pylint: disable=invalid-name  # canonical name
+    self.dt_bias = nnx.Param(jnp.ones((num_value_heads,), weight_dtype))
+    self.norm = RMSNorm(value_head_dim, eps=norm_eps, zero_centered=False, weight_dtype=weight_dtype)
+    self.out = DenseGeneral(num_value_heads * value_head_dim, emb_dim, **kw)
+
+  def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Input projections: `[..., D]` -> qkv `[..., C]`, z `[..., nv, hv]`, b `[..., nv]`, a `[..., nv]`."""
+    z = self.z(x)
+    return self.qkv(x), z.reshape(*z.shape[:-1], self.nv, self.hv), self.b(x), self.a(x)
+
+  def split_heads(self, conv_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Post-conv channels to delta-rule inputs.
+
+    Args:
+      conv_out: `[..., C]` SiLU(conv(qkv)).
+
+    Returns:
+      q `[..., nv, hk]` (l2-normalised, scaled by hk^-0.5, repeated to value heads), k `[..., nv, hk]`
+      (l2-normalised, repeated), v `[..., nv, hv]`; q and k float32.
+    """
+    nkk = self.nk * self.hk
+    lead = conv_out.shape[:-1]
+    q = conv_out[..., :nkk].reshape(*lead, self.nk, self.hk)
+    k = conv_out[..., nkk : 2 * nkk].reshape(*lead, self.nk, self.hk)
+    v = conv_out[..., 2 * nkk :].reshape(*lead, self.nv, self.hv)
+    r = self.nv // self.nk
+    q = jnp.repeat(l2_normalize(q) * (self.hk**-0.5), r, axis=-2)
+    k = jnp.repeat(l2_normalize(k), r, axis=-2)
+    return q, k, v
+
+  def gates(self, a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(g, beta)` `[..., nv]` float32 from the a/b projections."""
+    return gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
+
+  def output(self, o: jax.Array, z: jax.Array) -> jax.Array:
+    """Gated RMSNorm and out projection: o `[..., nv, hv]`, z `[..., nv, hv]` -> `[..., D]`."""
+    y = gated_rms_norm(o.astype(self.dtype), z, self.norm.scale[...], eps=self.norm.eps)
+    return self.out(y.reshape(*y.shape[:-2], self.nv * self.hv))
+
+  def forward_with_state(
+      self,
+      x: jax.Array,
+      conv_state: jax.Array | None = None,
+      recurrent_state: jax.Array | None = None,
+      *,
+      chunked: bool = True,
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Runs the mixer over `[B, T, D]` continuing from the given states.
+
+    Args:
+      x: `[B, T, D]` normalised hidden states.
+      conv_state: `[B, K-1, C]` or None (zeros).
+      recurrent_state: `[B, nv, hk, hv]` float32 or None (zeros).
+      chunked: use the chunked delta rule (else the per-token recurrence).
+
+    Returns:
+      y `[B, T, D]`, new conv state `[B, K-1, C]`, new recurrent state `[B, nv, hk, hv]`.
+    """
+    qkv, z, b, a = self.project(x)
+    conv, conv_state = causal_conv1d(qkv, self.conv.kernel[...], conv_state)
+    q, k, v = self.split_heads(jax.nn.silu(conv).astype(self.dtype))
+    g, beta = self.gates(a, b)
+    if chunked:
+      o, recurrent_state = delta_rule_chunked(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=recurrent_state)
+    else:
+      o, recurrent_state = delta_rule_recurrent(q, k, v, g, beta, initial_state=recurrent_state)
+    return self.output(o, z), conv_state, recurrent_state
+
+  def __call__(self, x: jax.Array, *, chunked: bool = True) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
+    """Full-sequence causal mixer from zero state: `[B, T, D] -> [B, T, D]`."""
+    return self.forward_with_state(x, chunked=chunked)[0]
+
+
+class _Conv(nnx.Module):
+  """Holds the depthwise conv weight `kernel [K, C]` (HF conv1d.weight [C, 1, K] transposed)."""
+
+  def __init__(self, width: int, channels: int, *, weight_dtype: jnp.dtype, rngs: nnx.Rngs):
+    self.kernel = nnx.Param(scaled_normal(rngs.params(), (width, channels), weight_dtype, width))

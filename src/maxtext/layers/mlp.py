@@ -1,0 +1,51 @@
+"""Gated MLP: `down(act(gate(x)) * up(x))` with silu or tanh-approximated gelu."""
+
+import logging
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtext.layers.linears import DenseGeneral
+
+logger = logging.getLogger(__name__)
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+def get_activation(name: str) -> Callable[[jax.Array], jax.Array]:
+  """Returns the activation function for `name` (silu | gelu_tanh)."""
+  if name not in ACTIVATIONS:
+    raise ValueError(f"mlp activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
+  return ACTIVATIONS[name]
+
+
+class MLP(nnx.Module):
+  """Gated MLP with parameters `gate.kernel [D, F]`, `up.kernel [D, F]`, `down.kernel [F, D]` (+ biases)."""
+
+  def __init__(
+      self,
+      emb_dim: int,
+      mlp_dim: int,
+      *,
+      activation: str = "silu",
+      use_bias: bool = False,
+      dtype: jnp.dtype = jnp.float32,
+      weight_dtype: jnp.dtype = jnp.float32,
+      rngs: nnx.Rngs,
+  ):
+    get_activation(activation)
+    self.activation = activation
+    kw = {"use_bias": use_bias, "dtype": dtype, "weight_dtype": weight_dtype, "rngs": rngs}
+    self.gate = DenseGeneral(emb_dim, mlp_dim, **kw)
+    self.up = DenseGeneral(emb_dim, mlp_dim, **kw)
+    self.down = DenseGeneral(mlp_dim, emb_dim, **kw)
+
+  def __call__(self, x: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
+    """`[..., D] -> [..., D]`."""
+    act = get_activation(self.activation)
+    return self.down(act(self.gate(x)) * self.up(x))

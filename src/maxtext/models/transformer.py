@@ -1,0 +1,113 @@
+"""Hybrid decoder-only transformer built from `cfg.layer_types` (Llama, Qwen3, Gemma3, Qwen3-Next, Qwen3.5)."""
+
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from maxtext.layers.embeddings import Embed
+from maxtext.layers.linears import DenseGeneral
+from maxtext.layers.normalizations import RMSNorm
+from maxtext.models.decoder_layer import KV, DecoderLayer
+
+logger = logging.getLogger(__name__)
+
+
+class Transformer(nnx.Module):
+  """Decoder-only language model.
+
+  Parameters: `embedder.embedding [V, D]`, `layers.{i}.*`, `final_norm.scale [D]` and, unless
+  `logits_via_embedding`, `lm_head.kernel [D, V]` (names in INTERFACES.md). Random init from `rngs`, parameters
+  in `cfg.weight_dtype`, compute in `cfg.dtype`.
+  """
+
+  def __init__(self, cfg: ml_collections.FrozenConfigDict, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.dtype = jnp.dtype(cfg.dtype)
+    weight_dtype = jnp.dtype(cfg.weight_dtype)
+    d = cfg.base_emb_dim
+    self.embedder = Embed(
+        cfg.vocab_size, d, use_scale=cfg.use_embedding_scale, dtype=self.dtype, weight_dtype=weight_dtype, rngs=rngs
+    )
+    self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(len(cfg.layer_types))])
+    self.final_norm = RMSNorm(
+        d, eps=cfg.normalization_layer_epsilon, zero_centered=cfg.use_zero_centered_norm, weight_dtype=weight_dtype
+    )
+    if cfg.logits_via_embedding:
+      self.lm_head = None
+    else:
+      self.lm_head = DenseGeneral(d, cfg.vocab_size, dtype=self.dtype, weight_dtype=weight_dtype, rngs=rngs)
+    self.final_logits_soft_cap = float(cfg.final_logits_soft_cap)
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """Token embeddings `[...]` -> `[..., D]` (Gemma3: scaled by sqrt(D) in the weight dtype)."""
+    return self.embedder(tokens)
+
+  def decode_hidden(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Runs every layer over a full causal sequence and the final norm.
+
+    KV-shared layers take the K/V that their source layer computed in this same pass.
+
+    Args:
+      x: `[B, T, D]` input embeddings.
+      positions: `[B, T]` RoPE positions (default `arange(T)` for every row).
+
+    Returns:
+      `[B, T, D]` final-normed hidden states.
+    """
+    if x.ndim != 3:
+      raise ValueError(f"decode_hidden expects embeddings [B, T, D], got shape {x.shape}")
+    b, t, _ = x.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    elif positions.shape != (b, t):
+      raise ValueError(f"positions must have shape {(b, t)} (like tokens), got {positions.shape}")
+    sources = set(self.cfg.kv_shared_source) - {-1}
+    kv_by_layer: dict[int, KV] = {}
+    for i, layer in enumerate(self.layers):
+      source = layer.kv_source
+      x, kv = layer(x, positions, kv_by_layer[source] if source >= 0 else None)
+      if i in sources:
+        kv_by_layer[i] = kv
+    return self.final_norm(x)
+
+  def compute_logits(self, hidden: jax.Array) -> jax.Array:
+    """Output head (tied or untied) and the optional final tanh soft cap: `[..., D] -> [..., V]`."""
+    if self.lm_head is None:
+      logits = self.embedder.attend(hidden)
+    else:
+      logits = self.lm_head(hidden)
+    if self.final_logits_soft_cap > 0:
+      cap = self.final_logits_soft_cap
+      logits = jnp.tanh(logits / cap) * cap
+    return logits
+
+  def __call__(  # pylint: disable=arguments-differ  # nnx call hook
+      self, tokens: jax.Array, positions: jax.Array | None = None
+  ) -> jax.Array:
+    """Dense causal forward.
+
+    Args:
+      tokens: `[B, T]` int32 ids.
+      positions: `[B, T]` or None (`arange(T)`).
+
+    Returns:
+      logits `[B, T, V]` in `cfg.dtype`.
+    """
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}")
+    return self.compute_logits(self.decode_hidden(self.embed(tokens), positions))
+
+
+def abstract_model(cfg: ml_collections.FrozenConfigDict) -> Transformer:
+  """The model with `jax.ShapeDtypeStruct` parameters (no memory allocated)."""
+  return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_seed)))
+
+
+def param_count(cfg: ml_collections.FrozenConfigDict) -> int:
+  """Number of parameters of the model described by `cfg`, from shapes only."""
+  leaves = jax.tree_util.tree_leaves(nnx.state(abstract_model(cfg), nnx.Param))
+  return sum(math.prod(leaf.shape) for leaf in leaves)

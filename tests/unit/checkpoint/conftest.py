@@ -1,9 +1,9 @@
 """Tiny random Hugging Face checkpoints of every supported family, written by transformers' save_pretrained.
 
-`hf_checkpoint(case)` builds the model (float32, seeded), adds seeded noise to every 1-D parameter (norm weights,
-A_log, dt_bias, biases; transformers initialises (1+w) norm weights to exactly 0), saves it to a session-wide temp
-folder and returns (folder, torch model). Sizes follow /work/shared/hf-architectures.md. Needs torch and
-transformers (tests using it are marked `hf`).
+`hf_checkpoint(case, **save_kwargs)` builds the model (float32, seeded), adds seeded noise to every 1-D parameter
+(norm weights, A_log, dt_bias, biases; transformers initialises (1+w) norm weights to exactly 0), saves it to a
+session-wide temp folder and returns (folder, torch model). Sizes follow /work/shared/hf-architectures.md. Needs
+torch and transformers (tests using it are marked `hf`).
 """
 
 import json
@@ -123,7 +123,7 @@ def build_hf_model(case: str, seed: int = 0) -> Any:
   return model.eval()
 
 
-def rewrite_checkpoint(folder: pathlib.Path, out: pathlib.Path, rename=None, drop=(), add=None, config=None) -> None:
+def _rewrite_checkpoint(folder: pathlib.Path, out: pathlib.Path, rename=None, drop=(), add=None, config=None) -> None:
   """Copies a single-file checkpoint, renaming / dropping / adding tensors and replacing config.json."""
   tensors = load_file(str(folder / "model.safetensors"))
   rename = rename or (lambda name: name)
@@ -150,6 +150,12 @@ def hf_checkpoint(tmp_path_factory):
     return cache[key]
 
   return make
+
+
+@pytest.fixture
+def rewrite_checkpoint():
+  """`rewrite(folder, out, rename=None, drop=(), add=None, config=None)`: a modified copy of a checkpoint."""
+  return _rewrite_checkpoint
 
 
 @pytest.fixture

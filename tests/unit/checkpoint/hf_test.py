@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import rewrite_checkpoint
 from flax import nnx
 from safetensors.numpy import save_file
 
@@ -117,7 +116,7 @@ def test_sharded_checkpoint_loads_like_single_file(hf_checkpoint):
 
 
 @pytest.mark.hf
-def test_multimodal_prefixes_are_stripped_and_vision_mtp_ignored(hf_checkpoint, tmp_path):
+def test_multimodal_prefixes_are_stripped_and_vision_mtp_ignored(hf_checkpoint, tmp_path, rewrite_checkpoint):
   folder, _ = hf_checkpoint("qwen3_5")
   extra = {
       "model.visual.blocks.0.attn.qkv.weight": np.ones((3, 4), np.float32),
@@ -149,7 +148,7 @@ def test_multimodal_prefixes_are_stripped_and_vision_mtp_ignored(hf_checkpoint, 
 
 
 @pytest.mark.hf
-def test_legacy_rope_fields_give_the_same_config(hf_checkpoint, tmp_path):
+def test_legacy_rope_fields_give_the_same_config(hf_checkpoint, tmp_path, rewrite_checkpoint):
   def legacy_llama(raw):
     raw = dict(raw)
     rope = dict(raw.pop("rope_parameters"))
@@ -215,7 +214,7 @@ def test_fused_expert_layout_loads_like_per_expert_keys(hf_checkpoint, tmp_path)
 
 
 @pytest.mark.hf
-def test_tied_checkpoint_with_lm_head_ignores_it(hf_checkpoint, tmp_path):
+def test_tied_checkpoint_with_lm_head_ignores_it(hf_checkpoint, tmp_path, rewrite_checkpoint):
   folder, _ = hf_checkpoint("qwen3_tied")
   out = tmp_path / "with_head"
   rewrite_checkpoint(folder, out, add={"lm_head.weight": np.zeros((512, 64), np.float32)})
@@ -278,7 +277,7 @@ def test_overrides_win_over_config_json(hf_checkpoint):
         ),
     ],
 )
-def test_checkpoint_errors_name_the_tensor(edit, match, hf_checkpoint, tmp_path):
+def test_checkpoint_errors_name_the_tensor(edit, match, hf_checkpoint, tmp_path, rewrite_checkpoint):
   folder, _ = hf_checkpoint("qwen3_untied")
   bad = tmp_path / "bad"
   rewrite_checkpoint(folder, bad, **edit)
@@ -288,7 +287,7 @@ def test_checkpoint_errors_name_the_tensor(edit, match, hf_checkpoint, tmp_path)
 
 
 @pytest.mark.hf
-def test_many_missing_tensors_are_summarised(hf_checkpoint, tmp_path):
+def test_many_missing_tensors_are_summarised(hf_checkpoint, tmp_path, rewrite_checkpoint):
   folder, _ = hf_checkpoint("qwen3_untied")
   bad = tmp_path / "bad"
   rewrite_checkpoint(folder, bad, rename=lambda n: n.replace("mlp.", "ffn."))

@@ -80,10 +80,9 @@ def _validate(index: SafetensorsIndex, recipes: list[hf_layout.Recipe], cfg: Any
         missing.append(f"{source!r} (canonical {targets}, expected shape {shape})")
   if missing:
     raise ValueError(f"Hugging Face checkpoint {index.folder!r} is missing {len(missing)} tensors: {_listing(missing)}")
-  ignored = {"lm_head.weight"} if cfg.logits_via_embedding else set()
-  unexpected = sorted(
-      f"{info.name!r} (shape {info.shape})" for key, info in index.tensors.items() if key not in needed | ignored
-  )
+  if cfg.logits_via_embedding:
+    needed.add("lm_head.weight")  # tied head: a stored copy is ignored, as transformers ties it to the embedding
+  unexpected = sorted(f"{info.name!r} (shape {info.shape})" for key, info in index.tensors.items() if key not in needed)
   if unexpected:
     raise ValueError(
         f"Hugging Face checkpoint {index.folder!r} has {len(unexpected)} unexpected tensors that a "

@@ -1,0 +1,215 @@
+"""The step's flat model inputs and attention metadata, as NumPy arrays (what the runner's `_prepare_inputs` makes).
+
+Layout (upstream contract; R = max_num_reqs = max(max_num_seqs, 8), P_g = cdiv(max_target_length, block_size_g)):
+  input_ids        [padded_T] int32   tokens of every request back to back, decodes first; padding 0
+  positions        [padded_T] int32   num_computed + offset; padding 0
+  seq_lens         [R] int32          num_computed + num_scheduled (the KV length after the step); padding 0
+  query_start_loc  [R + 1] int32      cumulative token counts; the tail repeats the total
+  request_distribution [3] int32      [n_decode, n_decode, n_reqs] (decode = exactly one scheduled token)
+  mamba_state_indices [R] int32       the request's recurrent state slot; padding 0 (None without recurrent layers)
+  block_tables     per group [R * P_g] int32, row-major per request; padding 0 (the recurrent group's are all 0:
+                   GDN ignores block tables)
+  logits_indices   [padded_num_reqs] int32  query_start_loc[i+1] - 1 for real requests; padding 0 (a valid row
+                   whose logits are discarded)
+padded_T is the smallest power of two >= T, at least 16 and at most max_num_batched_tokens rounded up to a power
+of two; padded_num_reqs the smallest power of two >= the request count, at least 8, capped at R.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+
+from maxtext.inference.kv_cache_manager import ATTENTION, KVCacheManager
+from maxtext.inference.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKEN_BUCKET = 16
+MIN_REQUEST_BUCKET = 8
+METADATA_FIELDS = (
+    "input_positions",
+    "block_tables",
+    "seq_lens",
+    "query_start_loc",
+    "request_distribution",
+    "mamba_state_indices",
+    "padded_num_reqs",
+)
+
+
+def next_power_of_two(n: int) -> int:
+  """The smallest power of two >= n (1 for n <= 1)."""
+  return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def max_num_reqs(cfg: Any) -> int:
+  """Request rows of the metadata arrays: `max(max_num_seqs, 8)`."""
+  return max(int(cfg.max_num_seqs), MIN_REQUEST_BUCKET)
+
+
+def padded_num_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:
+  """The token bucket of a step: a power of two >= num_tokens, in [16, next_power_of_two(max_num_batched_tokens)].
+
+  Raises:
+    ValueError: num_tokens exceeds max_num_batched_tokens.
+  """
+  if num_tokens > max_num_batched_tokens:
+    raise ValueError(f"{num_tokens} scheduled tokens exceed max_num_batched_tokens={max_num_batched_tokens}")
+  return max(MIN_TOKEN_BUCKET, next_power_of_two(num_tokens))
+
+
+def padded_num_requests(num_reqs: int, num_req_rows: int) -> int:
+  """The request bucket of a step: a power of two >= num_reqs, at least 8, capped at `num_req_rows`.
+
+  Raises:
+    ValueError: num_reqs exceeds num_req_rows.
+  """
+  if num_reqs > num_req_rows:
+    raise ValueError(f"{num_reqs} scheduled requests exceed max_num_reqs={num_req_rows}")
+  return min(max(MIN_REQUEST_BUCKET, next_power_of_two(num_reqs)), num_req_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchInputs:
+  """Flat inputs of one step (module docstring for the layout); request i of the batch is row i of the logits.
+
+  Attributes:
+    request_ids: requests in batch order (decodes first).
+    num_scheduled_tokens: tokens per request, batch order.
+    num_decodes: requests with exactly one token (they lead the batch).
+    input_ids: [padded_T] int32.
+    positions: [padded_T] int32.
+    seq_lens: [R] int32.
+    query_start_loc: [R + 1] int32.
+    request_distribution: [3] int32.
+    mamba_state_indices: [R] int32, or None when the model has no recurrent layers.
+    block_tables: one [R * P_g] int32 array per KV-cache group (`KVCacheManager.groups` order).
+    logits_indices: [padded_num_reqs] int32.
+    padded_num_reqs: the request bucket (static for jit).
+    layer_names_per_group: the layers of each group (KV-shared layers included).
+  """
+
+  request_ids: tuple[str, ...]
+  num_scheduled_tokens: tuple[int, ...]
+  num_decodes: int
+  input_ids: np.ndarray
+  positions: np.ndarray
+  seq_lens: np.ndarray
+  query_start_loc: np.ndarray
+  request_distribution: np.ndarray
+  mamba_state_indices: np.ndarray | None
+  block_tables: tuple[np.ndarray, ...]
+  logits_indices: np.ndarray
+  padded_num_reqs: int
+  layer_names_per_group: tuple[tuple[str, ...], ...]
+
+  @property
+  def num_reqs(self) -> int:
+    """Real requests in the step."""
+    return len(self.request_ids)
+
+  @property
+  def num_tokens(self) -> int:
+    """Real tokens in the step (T)."""
+    return sum(self.num_scheduled_tokens)
+
+  @property
+  def padded_num_tokens(self) -> int:
+    """The token bucket (padded_T)."""
+    return int(self.input_ids.shape[0])
+
+  def metadata_fields(self) -> list[dict[str, Any]]:
+    """One dict per KV-cache group with exactly the `AttentionMetadata` field names (`METADATA_FIELDS`).
+
+    Groups differ only in `block_tables`; the other arrays are the same objects in every dict.
+    """
+    return [
+        {
+            "input_positions": self.positions,
+            "block_tables": table,
+            "seq_lens": self.seq_lens,
+            "query_start_loc": self.query_start_loc,
+            "request_distribution": self.request_distribution,
+            "mamba_state_indices": self.mamba_state_indices,
+            "padded_num_reqs": self.padded_num_reqs,
+        }
+        for table in self.block_tables
+    ]
+
+
+def build_batch(cfg: Any, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> BatchInputs:
+  """Builds the step's inputs from the scheduler's plan and the manager's block tables and state slots.
+
+  Call it after `Scheduler.schedule()` and before `Scheduler.update_from_output()`.
+
+  Args:
+    cfg: the loaded config (max_num_seqs, max_num_batched_tokens).
+    scheduler_output: the plan of the step.
+    kv_cache_manager: the manager holding the requests' blocks and slots.
+
+  Raises:
+    ValueError: too many requests or tokens for the buckets, or the plan is stale (a request's computed count
+      changed since `schedule()`).
+  """
+  rows = max_num_reqs(cfg)
+  entries = [e for e in scheduler_output.scheduled if e.num_new_tokens == 1]
+  entries += [e for e in scheduler_output.scheduled if e.num_new_tokens != 1]
+  num_reqs = len(entries)
+  counts = [n for _, n in entries]
+  num_tokens = sum(counts)
+  padded_t = padded_num_tokens(num_tokens, int(cfg.max_num_batched_tokens))
+  padded_reqs = padded_num_requests(num_reqs, rows)
+
+  input_ids = np.zeros((padded_t,), np.int32)
+  positions = np.zeros((padded_t,), np.int32)
+  seq_lens = np.zeros((rows,), np.int32)
+  query_start_loc = np.zeros((rows + 1,), np.int32)
+  tables = []
+  for group in kv_cache_manager.groups:
+    tables.append(np.zeros((rows, kv_cache_manager.max_blocks_per_req(group.group_id)), np.int32))
+  state_indices = np.zeros((rows,), np.int32) if kv_cache_manager.has_recurrent else None
+
+  start = 0
+  for i, (request, n) in enumerate(entries):
+    rid = request.request_id
+    computed = scheduler_output.num_computed_tokens[rid]
+    if request.num_computed_tokens != computed:
+      raise ValueError(
+          f"request {rid!r}: num_computed_tokens is {request.num_computed_tokens} but the plan was made at {computed};"
+          " build the batch before update_from_output"
+      )
+    input_ids[start : start + n] = request.all_token_ids[computed : computed + n]
+    positions[start : start + n] = np.arange(computed, computed + n)
+    seq_lens[i] = computed + n
+    start += n
+    query_start_loc[i + 1] = start
+    for group in kv_cache_manager.groups:
+      if group.kind == ATTENTION:
+        table = kv_cache_manager.block_table(rid, group.group_id)
+        tables[group.group_id][i, : len(table)] = table
+    if state_indices is not None:
+      state_indices[i] = kv_cache_manager.get_state_slot(rid)
+  query_start_loc[num_reqs + 1 :] = start
+
+  num_decodes = sum(1 for n in counts if n == 1)
+  logits_indices = np.zeros((padded_reqs,), np.int32)
+  logits_indices[:num_reqs] = query_start_loc[1 : num_reqs + 1] - 1
+  return BatchInputs(
+      request_ids=tuple(r.request_id for r, _ in entries),
+      num_scheduled_tokens=tuple(counts),
+      num_decodes=num_decodes,
+      input_ids=input_ids,
+      positions=positions,
+      seq_lens=seq_lens,
+      query_start_loc=query_start_loc,
+      request_distribution=np.array([num_decodes, num_decodes, num_reqs], np.int32),
+      mamba_state_indices=state_indices,
+      block_tables=tuple(t.reshape(-1) for t in tables),
+      logits_indices=logits_indices,
+      padded_num_reqs=padded_reqs,
+      layer_names_per_group=tuple(g.layer_names for g in kv_cache_manager.groups),
+  )

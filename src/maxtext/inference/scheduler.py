@@ -1,0 +1,297 @@
+"""Continuous batching with chunked prefill and recompute preemption.
+
+One `schedule()` call picks the requests of the next model step and how many tokens each computes:
+  1. running requests, DECODES FIRST (exactly one token to compute), then running prefills, each group in arrival
+     order; a request takes `min(tokens it still has to compute, remaining budget)` tokens of the
+     `max_num_batched_tokens` budget (chunked prefill);
+  2. if nothing was preempted in this call, waiting requests in arrival order (FCFS, preempted ones included)
+     while fewer than `max_num_seqs` requests run and budget is left; the first one that cannot get blocks stops
+     admission (no overtaking), it simply waits.
+When a running request cannot get blocks, the NEWEST running request (largest arrival index, possibly the
+request itself; were it already scheduled in this call, its tokens would return to the budget) is preempted:
+its blocks and state slot are freed, `num_computed_tokens` resets to 0 and it rejoins the waiting queue keeping
+its generated tokens, so it later recomputes prompt + outputs as one prefill and continues where it stopped.
+The oldest request is therefore never preempted for a newer one and always advances, so every request finishes.
+If a request cannot get blocks even with no other request holding any, it can never fit: `schedule()` raises.
+
+Length rule: a prompt must be shorter than `max_target_length` (room for one generated token); generation stops
+at `max_tokens` generated tokens, at a stop token (or `eos_token_id`), or when prompt + output reaches
+`max_target_length` (finish reason "length").
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import numbers
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from maxtext.inference.kv_cache_manager import KVCacheManager
+from maxtext.inference.request import FINISH_LENGTH, FINISH_STOP, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class ScheduledRequest(NamedTuple):
+  """A request in a step, and the number of tokens it computes (unpacks as `(request, num_new_tokens)`)."""
+
+  request: Request
+  num_new_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+  """The plan of one model step.
+
+  Attributes:
+    scheduled: the step's requests, decodes (one token) first, then the rest; in each part, the order they were
+      scheduled (arrival order among running requests, then newly admitted ones).
+    num_computed_tokens: request id -> tokens already in the cache at the start of the step.
+    sampling_request_ids: requests that compute their last known token in this step and so sample one, in
+      `scheduled` order (a chunked prefill that does not finish its prompt samples nothing).
+    preempted_request_ids: requests preempted by this call.
+    slots_to_zero: recurrent state slots released since the previous call; zero them before running the step.
+  """
+
+  scheduled: tuple[ScheduledRequest, ...]
+  num_computed_tokens: Mapping[str, int]
+  sampling_request_ids: tuple[str, ...]
+  preempted_request_ids: tuple[str, ...]
+  slots_to_zero: tuple[int, ...]
+
+  @property
+  def num_scheduled_tokens(self) -> int:
+    """Tokens computed in the step."""
+    return sum(n for _, n in self.scheduled)
+
+  @property
+  def num_decodes(self) -> int:
+    """Requests computing exactly one token (they lead `scheduled`)."""
+    return sum(1 for _, n in self.scheduled if n == 1)
+
+  @property
+  def is_empty(self) -> bool:
+    """Whether no request is scheduled."""
+    return not self.scheduled
+
+
+def _is_token(token: Any, vocab_size: int) -> bool:
+  """An integer (Python or NumPy, not bool) in [0, vocab_size)."""
+  return isinstance(token, numbers.Integral) and not isinstance(token, bool) and 0 <= token < vocab_size
+
+
+def _arrival(request: Request) -> int:
+  return request.arrival_index
+
+
+class Scheduler:
+  """Continuous-batching scheduler over a `KVCacheManager` (see the module docstring for the policy).
+
+  Args:
+    cfg: the loaded config (max_num_seqs, max_num_batched_tokens, max_target_length, vocab_size).
+    kv_cache_manager: allocates blocks and state slots.
+    eos_token_id: sampling this token finishes a request with reason "stop" (None: only `stop_token_ids` stop).
+  """
+
+  def __init__(self, cfg: Any, kv_cache_manager: KVCacheManager, *, eos_token_id: int | None = None):
+    self.max_num_seqs = int(cfg.max_num_seqs)
+    self.max_num_batched_tokens = int(cfg.max_num_batched_tokens)
+    self.max_target_length = int(cfg.max_target_length)
+    self.vocab_size = int(cfg.vocab_size)
+    self.kv_cache_manager = kv_cache_manager
+    self.eos_token_id = eos_token_id
+    self.waiting: list[Request] = []  # sorted by arrival index
+    self.running: list[Request] = []  # sorted by arrival index
+    self._next_arrival = 0
+    self._active_ids: set[str] = set()
+
+  # ------------------------------------------------------------------ requests
+  def add_request(self, request: Request) -> None:
+    """Queues a new request (FCFS).
+
+    Raises:
+      TypeError: not a Request.
+      ValueError: a duplicate id of an unfinished request, a request that already ran, an empty prompt, token ids
+        outside [0, vocab_size), a prompt of `max_target_length` tokens or more, or a request that can never fit in
+        a block pool that keeps every block.
+    """
+    if not isinstance(request, Request):
+      raise TypeError(f"add_request needs a Request, got {type(request).__name__}")
+    rid = request.request_id
+    if rid in self._active_ids:
+      raise ValueError(f"request {rid!r}: an unfinished request with this id already exists")
+    if request.status != RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
+      raise ValueError(f"request {rid!r}: must be new (WAITING, no computed or generated tokens), got {request.status}")
+    num_prompt = request.num_prompt_tokens
+    if num_prompt == 0:
+      raise ValueError(f"request {rid!r}: the prompt is empty; it needs at least one token")
+    for token in request.prompt_token_ids:
+      if not _is_token(token, self.vocab_size):
+        raise ValueError(f"request {rid!r}: prompt token {token!r} must be an int in [0, vocab_size={self.vocab_size})")
+    if num_prompt >= self.max_target_length:
+      raise ValueError(
+          f"request {rid!r}: the prompt has {num_prompt} tokens but must be shorter than"
+          f" max_target_length={self.max_target_length} to leave room for a generated token"
+      )
+    final_length = min(num_prompt + request.sampling_params.max_tokens, self.max_target_length)
+    # The last generated token is never fed back, so the cache holds at most final_length - 1 tokens.
+    self.kv_cache_manager.check_request_fits(rid, final_length - 1)
+    request.prompt_token_ids = tuple(int(t) for t in request.prompt_token_ids)  # NumPy ints -> Python ints
+    request.arrival_index = self._next_arrival
+    self._next_arrival += 1
+    self._active_ids.add(rid)
+    self.waiting.append(request)
+    logger.debug("added request %s (%d prompt tokens)", rid, num_prompt)
+
+  def has_unfinished_requests(self) -> bool:
+    """Whether any request is waiting or running."""
+    return bool(self.waiting or self.running)
+
+  @property
+  def num_unfinished_requests(self) -> int:
+    """Waiting plus running requests."""
+    return len(self.waiting) + len(self.running)
+
+  # ------------------------------------------------------------------ scheduling
+  def schedule(self) -> SchedulerOutput:
+    """Plans the next step (see the module docstring).
+
+    Raises:
+      RuntimeError: a request cannot get blocks although no other request holds any (it can never fit).
+    """
+    budget = self.max_num_batched_tokens
+    scheduled: dict[str, int] = {}  # request id -> tokens, in scheduling order
+    requests: dict[str, Request] = {}
+    preempted: list[str] = []
+    decodes = [r for r in self.running if r.num_remaining_tokens == 1]
+    prefills = [r for r in self.running if r.num_remaining_tokens > 1]
+    for request in decodes + prefills:
+      if request.status != RequestStatus.RUNNING:
+        continue  # preempted earlier in this call
+      # Each admission costs budget and admission stops when it runs out, so there are never more running
+      # requests than budget tokens, and decodes (1 token each) lead: every running request gets a token.
+      assert budget > 0, "more running requests than max_num_batched_tokens"
+      n = min(request.num_remaining_tokens, budget)
+      while not self.kv_cache_manager.allocate_slots(request.request_id, request.num_computed_tokens, n):
+        victim = self.running[-1]
+        if victim is request and len(self.running) == 1:
+          raise self._never_fits(request, n)
+        self._preempt(victim)
+        preempted.append(victim.request_id)
+        budget += scheduled.pop(victim.request_id, 0)
+        if victim is request:
+          break
+      else:
+        scheduled[request.request_id] = n
+        requests[request.request_id] = request
+        budget -= n
+
+    while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+      request = self.waiting[0]
+      n = min(request.num_remaining_tokens, budget)
+      if not self.kv_cache_manager.allocate_slots(request.request_id, 0, n):
+        if not self.running:
+          raise self._never_fits(request, n)
+        break
+      self.waiting.pop(0)
+      request.status = RequestStatus.RUNNING
+      bisect.insort(self.running, request, key=_arrival)
+      scheduled[request.request_id] = n
+      requests[request.request_id] = request
+      budget -= n
+
+    order = [rid for rid, n in scheduled.items() if n == 1] + [rid for rid, n in scheduled.items() if n > 1]
+    batch = tuple(ScheduledRequest(requests[rid], scheduled[rid]) for rid in order)
+    computed = {rid: requests[rid].num_computed_tokens for rid in order}
+    sampling = tuple(rid for rid in order if computed[rid] + scheduled[rid] == requests[rid].num_tokens)
+    return SchedulerOutput(
+        scheduled=batch,
+        num_computed_tokens=computed,
+        sampling_request_ids=sampling,
+        preempted_request_ids=tuple(preempted),
+        slots_to_zero=tuple(self.kv_cache_manager.drain_slots_to_zero()),
+    )
+
+  def _preempt(self, request: Request) -> None:
+    self.running.remove(request)
+    self.kv_cache_manager.free(request.request_id)
+    request.num_computed_tokens = 0
+    request.status = RequestStatus.PREEMPTED
+    request.num_preemptions += 1
+    bisect.insort(self.waiting, request, key=_arrival)
+    logger.info("preempted request %s (%d tokens to recompute)", request.request_id, request.num_tokens)
+
+  def _never_fits(self, request: Request, n: int) -> RuntimeError:
+    manager = self.kv_cache_manager
+    free = ", ".join(
+        f"{manager.groups[g].describe()}: {manager.num_free_blocks(g)} free" for g in manager.attention_group_ids
+    )
+    return RuntimeError(
+        f"request {request.request_id!r} can never fit: computing tokens [{request.num_computed_tokens},"
+        f" {request.num_computed_tokens + n}) fails although no other request holds blocks ({free};"
+        f" {manager.num_free_state_slots()} free state slots); raise num_kv_blocks, or lower max_num_batched_tokens"
+        " for sliding-window groups"
+    )
+
+  # ------------------------------------------------------------------ results
+  def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:
+    """Advances the step's requests, appends sampled tokens and frees finished requests.
+
+    Args:
+      scheduler_output: the plan returned by the last `schedule()` call.
+      sampled_token_ids: request id -> sampled token, exactly for `scheduler_output.sampling_request_ids`.
+
+    Returns:
+      The requests that finished in this step, in batch order.
+
+    Raises:
+      ValueError: the sampled ids do not match `sampling_request_ids`, a token is not a valid id, or the output
+        was already applied (stale).
+    """
+    expected = set(scheduler_output.sampling_request_ids)
+    given = set(sampled_token_ids)
+    if given != expected:
+      raise ValueError(
+          f"sampled_token_ids must hold exactly the sampling requests {sorted(expected)}; missing"
+          f" {sorted(expected - given)}, unexpected {sorted(given - expected)}"
+      )
+    for request, _ in scheduler_output.scheduled:
+      rid = request.request_id
+      if (
+          request.status != RequestStatus.RUNNING
+          or request.num_computed_tokens != scheduler_output.num_computed_tokens[rid]
+      ):
+        raise ValueError(f"request {rid!r}: this scheduler output is stale (already applied, or the request changed)")
+    for rid, token in sampled_token_ids.items():
+      if not _is_token(token, self.vocab_size):
+        raise ValueError(f"request {rid!r}: sampled token {token!r} must be an int in [0, vocab_size={self.vocab_size})")
+    finished = []
+    for request, n in scheduler_output.scheduled:
+      request.num_computed_tokens += n
+      if request.request_id not in expected:
+        continue
+      token = int(sampled_token_ids[request.request_id])
+      request.output_token_ids.append(token)
+      reason = self._finish_reason(request, token)
+      if reason is not None:
+        self._finish(request, reason)
+        finished.append(request)
+    return finished
+
+  def _finish_reason(self, request: Request, token: int) -> str | None:
+    params = request.sampling_params
+    if token in params.stop_token_ids or (self.eos_token_id is not None and token == self.eos_token_id):
+      return FINISH_STOP
+    if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_target_length:
+      return FINISH_LENGTH
+    return None
+
+  def _finish(self, request: Request, reason: str) -> None:
+    self.running.remove(request)
+    self.kv_cache_manager.free(request.request_id)
+    self._active_ids.discard(request.request_id)
+    request.status = RequestStatus.FINISHED
+    request.finish_reason = reason
+    logger.debug("request %s finished (%s) with %d tokens", request.request_id, reason, len(request.output_token_ids))

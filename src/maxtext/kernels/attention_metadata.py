@@ -1,0 +1,226 @@
+"""The runner's per-step attention metadata as JAX pytrees (contract.md section 3).
+
+`AttentionMetadata` describes one ragged batch for one KV-cache group. With more than one group (hybrid models:
+sliding-window and full-attention layers, or recurrent layers) the runner passes a `GroupedAttentionMetadata`, a
+`{layer_name: AttentionMetadata}` dict whose pytree holds one `AttentionMetadata` per group, so a jit round trip
+gives every layer of a group the very same object and per-group derived values are computed once.
+"""
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NoReturn
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class AttentionMetadata:
+  """One step's batch description for one KV-cache group (all arrays int32).
+
+  Attributes:
+    input_positions: `[T]` token positions, or `[3, T]` for MRoPE; the padded tail holds stale values.
+    block_tables: `[max_num_reqs * max_blocks_per_req]` flat block table, row-major per request, 0-padded; None
+      for pooling models.
+    seq_lens: `[max_num_reqs]` KV length per request after this step; 0 for padded requests.
+    query_start_loc: `[max_num_reqs + 1]` cumulative new-token counts; the tail repeats the total.
+    request_distribution: `[3]` `(num_decode, num_decode, num_reqs)`; decodes come first.
+    mamba_state_indices: `[max_num_reqs]` recurrent state slot per request, or None without recurrent layers.
+    padded_num_reqs: static bucketed request count (a jit cache key).
+  """
+
+  input_positions: jax.Array
+  block_tables: jax.Array | None
+  seq_lens: jax.Array
+  query_start_loc: jax.Array
+  request_distribution: jax.Array
+  mamba_state_indices: jax.Array | None = None
+  padded_num_reqs: int
+
+  def __post_init__(self):
+    # Only the static field is checked here: unflattening may put non-array leaves in the data fields.
+    if isinstance(self.padded_num_reqs, bool) or not isinstance(self.padded_num_reqs, int):
+      raise TypeError(f"padded_num_reqs must be an int (it is static); got {self.padded_num_reqs!r}")
+    if self.padded_num_reqs < 0:
+      raise ValueError(f"padded_num_reqs must be >= 0; got {self.padded_num_reqs}")
+
+  @property
+  def max_num_reqs(self) -> int:
+    """Request rows of the batch arrays (`seq_lens.shape[0]`)."""
+    return self.seq_lens.shape[0]
+
+  def validate(self) -> None:
+    """Checks that the array shapes agree with each other (static; works on tracers).
+
+    Raises:
+      ValueError: a shape disagrees with `seq_lens` `[max_num_reqs]`; the message names the field.
+    """
+    num_reqs = self.seq_lens.shape[0] if self.seq_lens.ndim == 1 else -1
+    if num_reqs < 1:
+      raise ValueError(
+          f"AttentionMetadata.seq_lens must be [max_num_reqs] with max_num_reqs >= 1; got {self.seq_lens.shape}"
+      )
+    normalize_positions(self.input_positions)
+    if self.query_start_loc.shape != (num_reqs + 1,):
+      raise ValueError(
+          f"AttentionMetadata.query_start_loc must be [max_num_reqs + 1] = ({num_reqs + 1},); "
+          f"got {self.query_start_loc.shape}"
+      )
+    if self.request_distribution.shape != (3,):
+      raise ValueError(f"AttentionMetadata.request_distribution must be [3]; got {self.request_distribution.shape}")
+    if self.block_tables is not None and (
+        self.block_tables.ndim != 1 or self.block_tables.shape[0] == 0 or self.block_tables.shape[0] % num_reqs
+    ):
+      raise ValueError(
+          f"AttentionMetadata.block_tables must be flat [max_num_reqs * max_blocks_per_req] with max_num_reqs = "
+          f"{num_reqs}; got {self.block_tables.shape}"
+      )
+    if self.mamba_state_indices is not None and self.mamba_state_indices.shape != (num_reqs,):
+      raise ValueError(
+          f"AttentionMetadata.mamba_state_indices must be [max_num_reqs] = ({num_reqs},); "
+          f"got {self.mamba_state_indices.shape}"
+      )
+    if self.padded_num_reqs > num_reqs:
+      raise ValueError(f"AttentionMetadata.padded_num_reqs ({self.padded_num_reqs}) exceeds max_num_reqs ({num_reqs})")
+
+
+_DATA_FIELDS = (
+    "input_positions",
+    "block_tables",
+    "seq_lens",
+    "query_start_loc",
+    "request_distribution",
+    "mamba_state_indices",
+)
+jax.tree_util.register_dataclass(AttentionMetadata, data_fields=list(_DATA_FIELDS), meta_fields=["padded_num_reqs"])
+
+
+def normalize_positions(input_positions: jax.Array) -> jax.Array:
+  """Returns `[T]` positions from `[T]` or text-only MRoPE `[3, T]` (the 3 streams are equal; stream 0 is used).
+
+  Raises:
+    ValueError: any other shape; the message includes the given shape.
+  """
+  shape = tuple(input_positions.shape)
+  if len(shape) == 1:
+    return input_positions
+  if len(shape) == 2 and shape[0] == 3:
+    return input_positions[0]
+  raise ValueError(f"input_positions must have shape (T,) or (3, T) for MRoPE; got {shape}")
+
+
+def _immutable(self, *args, **kwargs) -> NoReturn:
+  del args, kwargs
+  raise TypeError(
+      f"{type(self).__name__} is immutable (its pytree is one AttentionMetadata per group); build a new one from "
+      "groups and layer names"
+  )
+
+
+class GroupedAttentionMetadata(dict):
+  """`{layer_name: AttentionMetadata}` for several KV-cache groups; the layers of a group share one object.
+
+  Its pytree children are the groups' `AttentionMetadata` (one per group) and the layer names are static aux
+  data, so the leaf count is `groups x fields`, not `layers x fields`.
+  """
+
+  def __init__(self, groups: Sequence[AttentionMetadata], layer_names_per_group: Sequence[Sequence[str]]):
+    """Builds the mapping.
+
+    Args:
+      groups: one `AttentionMetadata` per KV-cache group.
+      layer_names_per_group: the layer names of each group (same length as `groups`).
+
+    Raises:
+      TypeError: a group is not an `AttentionMetadata` or a layer name is not a str.
+      ValueError: lengths differ, a group has no layers, or a layer is in two groups.
+    """
+    groups = tuple(groups)
+    names = tuple(tuple(group_names) for group_names in layer_names_per_group)
+    if len(groups) != len(names):
+      raise ValueError(f"got {len(groups)} metadata groups but {len(names)} lists of layer names")
+    seen = {}
+    for gid, (md, group_names) in enumerate(zip(groups, names)):
+      if not isinstance(md, AttentionMetadata):
+        raise TypeError(f"group {gid} must be an AttentionMetadata; got {type(md).__name__}")
+      if not group_names:
+        raise ValueError(f"group {gid} has no layer names")
+      for name in group_names:
+        if not isinstance(name, str):
+          raise TypeError(f"layer names must be str; group {gid} has {name!r}")
+        if name in seen:
+          raise ValueError(f"layer {name!r} is in group {seen[name]} and group {gid}")
+        seen[name] = gid
+    self._fill(groups, names)
+
+  def _fill(self, groups: tuple[Any, ...], names: tuple[tuple[str, ...], ...]) -> None:
+    self._groups = groups
+    self._layer_names_per_group = names
+    for md, group_names in zip(groups, names):
+      for name in group_names:
+        dict.__setitem__(self, name, md)
+
+  @classmethod
+  def _unflatten(cls, names: tuple[tuple[str, ...], ...], groups: Iterable[Any]) -> "GroupedAttentionMetadata":
+    # No validation: tree utilities may unflatten with placeholder children.
+    obj = cls.__new__(cls)
+    obj._fill(tuple(groups), names)  # pylint: disable=protected-access  # own class, alternate constructor
+    return obj
+
+  @property
+  def groups(self) -> tuple[AttentionMetadata, ...]:
+    """One `AttentionMetadata` per group."""
+    return self._groups
+
+  @property
+  def layer_names_per_group(self) -> tuple[tuple[str, ...], ...]:
+    """The layer names of each group."""
+    return self._layer_names_per_group
+
+  def __reduce__(self):
+    return (type(self), (self._groups, self._layer_names_per_group))
+
+  def __repr__(self) -> str:
+    return f"GroupedAttentionMetadata(layer_names_per_group={self._layer_names_per_group!r})"
+
+  __setitem__ = _immutable
+  __delitem__ = _immutable
+  __ior__ = _immutable
+  clear = _immutable
+  pop = _immutable
+  popitem = _immutable
+  setdefault = _immutable
+  update = _immutable
+
+
+jax.tree_util.register_pytree_node(
+    GroupedAttentionMetadata,
+    lambda md: (md.groups, md.layer_names_per_group),
+    GroupedAttentionMetadata._unflatten,  # pylint: disable=protected-access  # the registered unflatten hook
+)
+
+
+def metadata_for_layer(
+    attention_metadata: AttentionMetadata | Mapping[str, AttentionMetadata], layer_name: str
+) -> AttentionMetadata:
+  """Returns the metadata of `layer_name`: its group's object from a grouped mapping, or the single object.
+
+  Raises:
+    ValueError: the mapping has no entry for `layer_name` (the message lists the known layers).
+    TypeError: `attention_metadata` is neither an `AttentionMetadata` nor a mapping.
+  """
+  if isinstance(attention_metadata, AttentionMetadata):
+    return attention_metadata
+  if isinstance(attention_metadata, Mapping):
+    if layer_name not in attention_metadata:
+      raise ValueError(
+          f"no attention metadata for layer {layer_name!r}; the grouped metadata has layers "
+          f"{list(attention_metadata)}"
+      )
+    return attention_metadata[layer_name]
+  raise TypeError(
+      f"attention_metadata must be an AttentionMetadata or a {{layer_name: AttentionMetadata}} mapping; "
+      f"got {type(attention_metadata).__name__}"
+  )

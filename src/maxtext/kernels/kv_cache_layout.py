@@ -1,0 +1,178 @@
+"""Physical layout of the paged attention KV cache, as the TPU runner allocates it (contract.md section 2).
+
+One cache array per attention slot, rank 5, zero-filled by the runner:
+
+* Standard layout: `[num_blocks, block_size, align(2 * Hkv, pk) / pk, pk, align(head_dim, 128)]`. K and V are
+  interleaved per head: combined head `2h` is K of KV head h and `2h + 1` is V of KV head h. The combined-head
+  axis is split into groups of `pk` rows so that sub-32-bit dtypes pack into 32-bit words.
+* Head-dim-64 layout: `[num_blocks, block_size, align(Hkv, pk) / pk, pk, 128]`, the last axis holding
+  `[K (64) | V (64)]` of one KV head.
+
+`pk = 32 / bits` is the dtype packing: 1 for fp32, 2 for bf16/fp16, 4 for fp8/int8. Padding rows and columns are
+zeros and are never read back as data.
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+logger = logging.getLogger(__name__)
+
+# The lane width of the TPU vector unit: the head dim of the cache is padded to a multiple of it.
+LANE_WIDTH = 128
+# The head dim with its own cache layout (K and V of one head share one 128-lane row).
+HD64_HEAD_DIM = 64
+
+
+def _check_positive_int(value: int, name: str) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be an int; got {type(value).__name__} ({value!r})")
+  if value <= 0:
+    raise ValueError(f"{name} must be positive; got {value}")
+
+
+def align_to(x: int, multiple: int) -> int:
+  """Rounds `x` up to a multiple of `multiple`."""
+  return -(-x // multiple) * multiple
+
+
+def get_dtype_packing(dtype: DTypeLike) -> int:
+  """Returns how many values of `dtype` pack into 32 bits: 1 for fp32, 2 for bf16, 4 for fp8/int8.
+
+  Raises:
+    ValueError: the dtype is not a float or integer type 8, 16 or 32 bits wide.
+  """
+  dt = jnp.dtype(dtype)
+  # Sub-byte types (int4, fp4) occupy a whole byte in NumPy, so ask finfo/iinfo for the real width.
+  if jnp.issubdtype(dt, jnp.floating):
+    bits = jnp.finfo(dt).bits
+  elif jnp.issubdtype(dt, jnp.integer):
+    bits = jnp.iinfo(dt).bits
+  else:
+    raise ValueError(f"KV cache dtype must be a float or integer type; got {dt.name}")
+  if bits not in (8, 16, 32):
+    raise ValueError(f"KV cache dtype must be 8, 16 or 32 bits wide; got {dt.name} ({bits} bits)")
+  return 32 // bits
+
+
+def get_padded_head_dim(head_dim: int) -> int:
+  """Head dim as stored in the cache: 64 stays 64 (its own layout), anything else rounds up to a multiple of 128."""
+  _check_positive_int(head_dim, "head_dim")
+  if head_dim == HD64_HEAD_DIM:
+    return HD64_HEAD_DIM
+  return align_to(head_dim, LANE_WIDTH)
+
+
+def get_padded_num_heads(num_heads: int, sharding_size: int) -> int:
+  """KV head count the runner allocates for `sharding_size` tensor-parallel shards.
+
+  Fewer heads than shards are replicated up to `sharding_size`; otherwise the count must split evenly.
+
+  Raises:
+    ValueError: the heads cannot be spread evenly over the shards.
+  """
+  _check_positive_int(num_heads, "num_heads")
+  _check_positive_int(sharding_size, "sharding_size")
+  if num_heads >= sharding_size:
+    if num_heads % sharding_size:
+      raise ValueError(f"num_heads ({num_heads}) must be a multiple of the sharding size ({sharding_size})")
+    return num_heads
+  if sharding_size % num_heads:
+    raise ValueError(f"the sharding size ({sharding_size}) must be a multiple of num_heads ({num_heads}) to replicate")
+  return sharding_size
+
+
+def uses_hd64_layout(head_dim: int) -> bool:
+  """True when the cache uses the head-dim-64 layout (last axis `[K64 | V64]`)."""
+  return get_padded_head_dim(head_dim) == HD64_HEAD_DIM
+
+
+def get_kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike
+) -> tuple[int, int, int, int, int]:
+  """Shape of one layer's paged KV cache (contract.md section 2).
+
+  Args:
+    num_blocks: number of pages N.
+    block_size: tokens per page.
+    num_kv_heads: KV heads Hkv (already padded for tensor parallelism, see `get_padded_num_heads`).
+    head_dim: the real head dim d (padding is applied here).
+    dtype: cache dtype; sets the packing pk.
+
+  Returns:
+    `(N, block_size, align(2 Hkv, pk) / pk, pk, align(d, 128))`, or `(N, block_size, align(Hkv, pk) / pk, pk, 128)`
+    when d == 64.
+  """
+  _check_positive_int(num_blocks, "num_blocks")
+  _check_positive_int(block_size, "block_size")
+  _check_positive_int(num_kv_heads, "num_kv_heads")
+  pk = get_dtype_packing(dtype)
+  if uses_hd64_layout(head_dim):
+    return (num_blocks, block_size, align_to(num_kv_heads, pk) // pk, pk, 2 * HD64_HEAD_DIM)
+  return (num_blocks, block_size, align_to(2 * num_kv_heads, pk) // pk, pk, get_padded_head_dim(head_dim))
+
+
+def merge_kv(k: jax.Array, v: jax.Array, dtype: DTypeLike) -> jax.Array:
+  """Packs K and V rows into cache rows.
+
+  Args:
+    k: `[..., H, d]` keys.
+    v: `[..., H, d]` values.
+    dtype: cache dtype (the result is cast to it).
+
+  Returns:
+    `[..., align(2H, pk) / pk, pk, align(d, 128)]`, or `[..., align(H, pk) / pk, pk, 128]` when d == 64; padding
+    is zero.
+
+  Raises:
+    ValueError: k and v differ in shape or have rank < 2.
+  """
+  if k.shape != v.shape or k.ndim < 2:
+    raise ValueError(f"merge_kv needs k and v of one shape [..., H, d]; got k {k.shape} and v {v.shape}")
+  *lead, num_heads, head_dim = k.shape
+  pk = get_dtype_packing(dtype)
+  k = k.astype(dtype)
+  v = v.astype(dtype)
+  no_pad = [(0, 0)] * len(lead)
+  if uses_hd64_layout(head_dim):
+    kv = jnp.concatenate([k, v], axis=-1)  # [..., H, 128]
+    rows = align_to(num_heads, pk)
+    kv = jnp.pad(kv, no_pad + [(0, rows - num_heads), (0, 0)])
+    return kv.reshape(*lead, rows // pk, pk, 2 * HD64_HEAD_DIM)
+  padded_dim = get_padded_head_dim(head_dim)
+  kv = jnp.stack([k, v], axis=-2).reshape(*lead, 2 * num_heads, head_dim)  # K_h, V_h interleaved
+  rows = align_to(2 * num_heads, pk)
+  kv = jnp.pad(kv, no_pad + [(0, rows - 2 * num_heads), (0, padded_dim - head_dim)])
+  return kv.reshape(*lead, rows // pk, pk, padded_dim)
+
+
+def read_kv(rows: jax.Array, num_kv_heads: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
+  """Unpacks cache rows into K and V (the inverse of `merge_kv`), in the cache dtype.
+
+  Args:
+    rows: `[..., R, pk, dp]` cache rows, e.g. a whole cache `[N, bs, R, pk, dp]` or gathered pages.
+    num_kv_heads: the real KV head count H.
+    head_dim: the real head dim d.
+
+  Returns:
+    `(k, v)`, each `[..., H, d]`.
+
+  Raises:
+    ValueError: the trailing axes do not hold `num_kv_heads` heads of `head_dim`.
+  """
+  expected = get_kv_cache_shape(1, 1, num_kv_heads, head_dim, rows.dtype)[2:]
+  if rows.ndim < 3 or tuple(rows.shape[-3:]) != expected:
+    raise ValueError(
+        f"cache rows for {num_kv_heads} KV heads of dim {head_dim} in {rows.dtype} must end in {expected}; "
+        f"got shape {rows.shape}"
+    )
+  lead = rows.shape[:-3]
+  flat = rows.reshape(*lead, expected[0] * expected[1], expected[2])
+  if uses_hd64_layout(head_dim):
+    kv = flat[..., :num_kv_heads, :]
+    return kv[..., :HD64_HEAD_DIM], kv[..., HD64_HEAD_DIM:]
+  kv = flat[..., : 2 * num_kv_heads, :head_dim].reshape(*lead, num_kv_heads, 2, head_dim)
+  return kv[..., 0, :], kv[..., 1, :]

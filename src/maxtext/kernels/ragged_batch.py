@@ -1,0 +1,111 @@
+"""Which request owns each token of a ragged batch, shared by the ragged kernels.
+
+A ragged batch packs the tokens of up to S requests back to back: request i owns tokens
+`[query_start_loc[i], query_start_loc[i + 1])`, and only requests `i < distribution[2]` are real. Tokens from
+`query_start_loc[distribution[2]]` on are padding (the token count is bucketed), as are the request rows beyond
+`distribution[2]`. Everything here is static-shape and jit-compatible.
+"""
+
+import logging
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+logger = logging.getLogger(__name__)
+
+
+class TokenLayout(NamedTuple):
+  """Per-token and per-request views of a ragged batch (all int32 / bool arrays).
+
+  Attributes:
+    request_ids: `[T]` request owning each token, clipped to `[0, S)` (meaningless where `token_valid` is False).
+    token_valid: `[T]` token lies in the range of a real request (so index `< query_start_loc[distribution[2]]`).
+    token_offsets: `[T]` index of the token within its request's new tokens (0 for its first token).
+    query_lens: `[S]` new tokens per request (0 for padded requests).
+    request_valid: `[S]` request index `< distribution[2]`.
+    num_valid_requests: scalar `distribution[2]`.
+  """
+
+  request_ids: jax.Array
+  token_valid: jax.Array
+  token_offsets: jax.Array
+  query_lens: jax.Array
+  request_valid: jax.Array
+  num_valid_requests: jax.Array
+
+
+def check_ragged_metadata(num_requests: int, query_start_loc: jax.Array, distribution: jax.Array, where: str) -> None:
+  """Checks the static shapes of the ragged batch description.
+
+  Raises:
+    ValueError: there is no request row, `query_start_loc` is not `[S + 1]` or `distribution` is not `[3]`.
+  """
+  if num_requests < 1:
+    raise ValueError(f"{where}: the batch needs at least one request row (S >= 1); got S = {num_requests}")
+  if query_start_loc.shape != (num_requests + 1,):
+    raise ValueError(
+        f"{where}: query_start_loc must have shape (S + 1,) = ({num_requests + 1},) for S = {num_requests} requests; "
+        f"got {query_start_loc.shape}"
+    )
+  if distribution.shape != (3,):
+    raise ValueError(f"{where}: distribution must have shape (3,); got {distribution.shape}")
+
+
+def token_layout(num_tokens: int, query_start_loc: jax.Array, distribution: jax.Array) -> TokenLayout:
+  """Maps each of `num_tokens` tokens to its request.
+
+  Args:
+    num_tokens: padded token count T (static).
+    query_start_loc: `[S + 1]` int32 cumulative token counts; the tail repeats the total.
+    distribution: `[3]` int32; `distribution[2]` is the number of real requests.
+
+  Returns:
+    The `TokenLayout` of the batch.
+  """
+  num_requests = query_start_loc.shape[0] - 1
+  qsl = query_start_loc.astype(jnp.int32)
+  num_valid = jnp.clip(distribution[2].astype(jnp.int32), 0, num_requests)
+  request_valid = jnp.arange(num_requests, dtype=jnp.int32) < num_valid
+  query_lens = jnp.where(request_valid, qsl[1:] - qsl[:-1], 0)
+  tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+  # Token t belongs to the number of requests that end at or before it; an O(T * S) compare is tiny here.
+  request_ids = jnp.sum(qsl[None, 1:] <= tokens[:, None], axis=1, dtype=jnp.int32)
+  request_ids = jnp.minimum(request_ids, num_requests - 1)
+  # Inside its request's range and the request is real; the precompile dummy (query_start_loc all ones,
+  # distribution zeros) thus has no valid token.
+  token_valid = request_valid[request_ids] & (qsl[request_ids] <= tokens) & (tokens < qsl[request_ids + 1])
+  token_offsets = tokens - qsl[request_ids]
+  return TokenLayout(
+      request_ids=request_ids,
+      token_valid=token_valid,
+      token_offsets=token_offsets,
+      query_lens=query_lens,
+      request_valid=request_valid,
+      num_valid_requests=num_valid,
+  )
+
+
+def check_state_metadata(
+    state_indices: jax.Array, query_start_loc: jax.Array, seq_lens: jax.Array, distribution: jax.Array, where: str
+) -> int:
+  """Checks the per-request arrays of a recurrent-state kernel; returns S.
+
+  Raises:
+    ValueError: `state_indices` / `seq_lens` are not `[S]`, or the ragged batch shapes disagree.
+  """
+  if state_indices.ndim != 1:
+    raise ValueError(f"{where}: state_indices must be [S]; got shape {state_indices.shape}")
+  num_requests = state_indices.shape[0]
+  if seq_lens.shape != (num_requests,):
+    raise ValueError(f"{where}: seq_lens must be [S] = ({num_requests},) like state_indices; got {seq_lens.shape}")
+  check_ragged_metadata(num_requests, query_start_loc, distribution, where)
+  return num_requests
+
+
+def has_initial_state(layout: TokenLayout, seq_lens: jax.Array) -> jax.Array:
+  """`[S]` bool: the request is real and has tokens before this step (`seq_lens - query_lens > 0`).
+
+  Requests without earlier tokens read their recurrent state as zeros, whatever their slot holds.
+  """
+  return layout.request_valid & (seq_lens.astype(jnp.int32) - layout.query_lens > 0)

@@ -1,0 +1,136 @@
+"""Ragged gated delta rule with per-request recurrent states: the GDN core of the paged path (contract.md 5).
+
+Approach: a `lax.scan` over the T tokens of the batch, carrying the running state of the current request
+(`[nv, dk, dv]` fp32) and the slot array. A request's first token loads its initial state (its slot, or zeros
+without earlier tokens); its last token stores the state back into its slot. Decodes, prefills and chunked
+prefills share this path; the sequential cost is one small step per token, fine for CPU-sized batches. The
+per-token algebra is the recurrent form of the gated delta rule; a TPU backend replaces the whole function.
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from maxtext.kernels import ragged_batch
+
+logger = logging.getLogger(__name__)
+
+_L2_EPS = 1e-6
+
+
+def _l2_normalize(x: jax.Array) -> jax.Array:
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
+
+
+def _validate(q, k, v, b, a, a_log, dt_bias, recurrent_state, state_indices, query_start_loc, seq_lens, distribution):
+  where = "ragged_gated_delta_rule"
+  if q.ndim != 3 or k.shape != q.shape:
+    raise ValueError(f"{where}: q and k must both be [T, nk, dk]; got q {q.shape} and k {k.shape}")
+  num_tokens, num_k_heads, key_dim = q.shape
+  if v.ndim != 3 or v.shape[0] != num_tokens:
+    raise ValueError(f"{where}: v must be [T, nv, dv] with T = {num_tokens}; got {v.shape}")
+  num_v_heads, value_dim = v.shape[1:]
+  if num_v_heads % num_k_heads:
+    raise ValueError(f"{where}: nv ({num_v_heads}) must be a multiple of nk ({num_k_heads})")
+  for name, arr in (("b", b), ("a", a)):
+    if arr.shape != (num_tokens, num_v_heads):
+      raise ValueError(f"{where}: {name} must be [T, nv] = ({num_tokens}, {num_v_heads}); got {arr.shape}")
+  for name, arr in (("A_log", a_log), ("dt_bias", dt_bias)):
+    if arr.shape != (num_v_heads,):
+      raise ValueError(f"{where}: {name} must be [nv] = ({num_v_heads},); got {arr.shape}")
+  if recurrent_state.ndim != 4 or recurrent_state.shape[1:] != (num_v_heads, key_dim, value_dim):
+    raise ValueError(
+        f"{where}: recurrent_state must be [M, nv, dk, dv] = [M, {num_v_heads}, {key_dim}, {value_dim}]; "
+        f"got {recurrent_state.shape} {recurrent_state.dtype}"
+    )
+  if recurrent_state.dtype != jnp.float32:
+    raise TypeError(
+        f"{where}: recurrent_state must be float32 (a lower precision state is re-quantized every token); "
+        f"got {recurrent_state.dtype}"
+    )
+  ragged_batch.check_state_metadata(state_indices, query_start_loc, seq_lens, distribution, where)
+
+
+def ragged_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    b: jax.Array,
+    a: jax.Array,
+    A_log: jax.Array,  # pylint: disable=invalid-name  # the checkpoint's parameter name
+    dt_bias: jax.Array,
+    recurrent_state: jax.Array,
+    state_indices: jax.Array,
+    query_start_loc: jax.Array,
+    seq_lens: jax.Array,
+    distribution: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+  """Gated delta rule over a ragged batch, reading and updating each request's recurrent state.
+
+  Value head j uses key head `j // (nv / nk)`. q and k are L2-normalised in fp32 (`x / sqrt(sum x^2 + 1e-6)`),
+  q is scaled by `dk ** -0.5`, `beta = sigmoid(b)`, `g = -exp(A_log) * softplus(a + dt_bias)`, and per token, with
+  `e = exp(g)` and S the `[dk, dv]` state of a head:
+  `v' = beta * (v - e * k^T S)`, `out = e * q^T S + (q . k) v'`, `S = e * S + k (x) v'`.
+  Padded tokens output 0; padded requests (index >= distribution[2]) neither read nor write a slot.
+
+  Args:
+    q: `[T, nk, dk]` queries (after the conv).
+    k: `[T, nk, dk]` keys.
+    v: `[T, nv, dv]` values (the output has their dtype).
+    b: `[T, nv]` beta logits.
+    a: `[T, nv]` decay inputs.
+    A_log: `[nv]` log decay rates.
+    dt_bias: `[nv]` decay bias.
+    recurrent_state: `[M, nv, dk, dv]` float32 states per slot; slot 0 is the null slot.
+    state_indices: `[S]` int32 slot per request.
+    query_start_loc: `[S + 1]` int32 cumulative new-token counts.
+    seq_lens: `[S]` int32 tokens per request after this step; a request starts from zeros when
+      `seq_lens - query_len == 0`.
+    distribution: `[3]` int32; `distribution[2]` is the number of real requests.
+
+  Returns:
+    `(out [T, nv, dv] in v.dtype, new_recurrent_state [M, nv, dk, dv] float32)`.
+
+  Raises:
+    ValueError / TypeError: inconsistent shapes, or a non-fp32 recurrent state (static checks).
+  """
+  _validate(q, k, v, b, a, A_log, dt_bias, recurrent_state, state_indices, query_start_loc, seq_lens, distribution)
+  num_tokens, num_k_heads, key_dim = q.shape
+  num_v_heads = v.shape[1]
+  num_slots = recurrent_state.shape[0]
+  repeat = num_v_heads // num_k_heads
+  state_indices = state_indices.astype(jnp.int32)
+
+  layout = ragged_batch.token_layout(num_tokens, query_start_loc, distribution)
+  has_init = ragged_batch.has_initial_state(layout, seq_lens)
+  init_states = jnp.where(has_init[:, None, None, None], recurrent_state[state_indices], 0.0)  # [S, nv, dk, dv]
+
+  qf = _l2_normalize(jnp.repeat(q.astype(jnp.float32), repeat, axis=1)) * key_dim**-0.5  # [T, nv, dk]
+  kf = _l2_normalize(jnp.repeat(k.astype(jnp.float32), repeat, axis=1))
+  vf = v.astype(jnp.float32)
+  beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [T, nv]
+  decay = jnp.exp(
+      -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+  )
+  request_ids = layout.request_ids
+  is_first = layout.token_offsets == 0
+  is_last = layout.token_offsets == layout.query_lens[request_ids] - 1
+  write_slot = jnp.where(layout.token_valid & is_last, state_indices[request_ids], num_slots)  # out of range: none
+
+  def step(carry, xs):
+    state, slots = carry
+    q_t, k_t, v_t, beta_t, e_t, request, first, slot, valid = xs
+    state = jnp.where(first, init_states[request], state)
+    k_state = jnp.einsum("hk,hkv->hv", k_t, state)
+    q_state = jnp.einsum("hk,hkv->hv", q_t, state)
+    v_new = beta_t[:, None] * (v_t - e_t[:, None] * k_state)
+    out = e_t[:, None] * q_state + jnp.sum(q_t * k_t, axis=-1)[:, None] * v_new
+    state = e_t[:, None, None] * state + k_t[:, :, None] * v_new[:, None, :]
+    slots = slots.at[slot].set(state, mode="drop")
+    return (state, slots), jnp.where(valid, out, 0.0)
+
+  carry = (jnp.zeros(recurrent_state.shape[1:], jnp.float32), recurrent_state)
+  xs = (qf, kf, vf, beta, decay, request_ids, is_first, write_slot, layout.token_valid)
+  (_, new_state), out = jax.lax.scan(step, carry, xs)
+  return out.astype(v.dtype), new_state

@@ -1,0 +1,222 @@
+"""Tests of the continuous-batching scheduler (driven with a fake paged model, see conftest.py)."""
+
+import numpy as np
+import pytest
+
+from maxtext.inference import SamplingParams
+from maxtext.inference.kv_cache_manager import KVCacheManager
+from maxtext.inference.request import Request, RequestStatus
+from maxtext.inference.scheduler import Scheduler
+
+
+def _scheduler(cfg, make_specs, **kwargs):
+  specs, shared = make_specs(cfg)
+  return Scheduler(cfg, KVCacheManager(cfg, specs, shared), **kwargs)
+
+
+def _plan(out):
+  return [(r.request_id, n) for r, n in out.scheduled]
+
+
+def _random_requests(rng, count, max_prompt, max_new):
+  requests = []
+  for i in range(count):
+    prompt = rng.integers(3, 259, size=int(rng.integers(1, max_prompt + 1))).tolist()
+    requests.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=int(rng.integers(1, max_new + 1)))))
+  return requests
+
+
+def _check_against_reference(requests, reference, cfg, has_recurrent, eos_token_id=None):
+  for request in requests:
+    expected, reason = reference(
+        request.prompt_token_ids, request.sampling_params, cfg.max_target_length, has_recurrent, eos_token_id
+    )
+    assert request.output_token_ids == expected, request.request_id
+    assert (request.finish_reason, request.status) == (reason, RequestStatus.FINISHED)
+
+
+def test_decodes_first_then_running_prefills_then_waiting(configs, make_specs):
+  scheduler = _scheduler(configs["llama"](max_num_batched_tokens=32), make_specs)
+  a, b, c = Request("a", [5, 6]), Request("b", list(range(10, 50))), Request("c", list(range(60, 90)))
+  for request in (a, b, c):
+    scheduler.add_request(request)
+  out = scheduler.schedule()
+  assert _plan(out) == [("a", 2), ("b", 30)] and out.sampling_request_ids == ("a",)
+  scheduler.update_from_output(out, {"a": 7})
+  out = scheduler.schedule()
+  assert _plan(out) == [("a", 1), ("b", 10), ("c", 21)] and out.sampling_request_ids == ("a", "b")
+  assert out.num_decodes == 1 and out.num_scheduled_tokens == 32
+  scheduler.update_from_output(out, {"a": 8, "b": 9})
+  scheduler.add_request(Request("d", [4]))
+  out = scheduler.schedule()
+  # d is admitted last but computes one token, so it joins the decodes ahead of c's prefill.
+  assert _plan(out) == [("a", 1), ("b", 1), ("d", 1), ("c", 9)]
+  assert out.sampling_request_ids == ("a", "b", "d", "c") and out.num_decodes == 3
+
+
+def test_chunked_prefill_samples_only_when_the_prompt_is_done(configs, make_specs):
+  scheduler = _scheduler(configs["llama"](max_num_batched_tokens=8), make_specs)
+  request = Request("a", list(range(3, 23)), SamplingParams(max_tokens=2))
+  scheduler.add_request(request)
+  plans = []
+  for token in (None, None, 11, 12):
+    out = scheduler.schedule()
+    plans.append((_plan(out), out.sampling_request_ids))
+    assert not scheduler.update_from_output(out, {} if token is None else {"a": token}) or token == 12
+  assert plans == [([("a", 8)], ()), ([("a", 8)], ()), ([("a", 4)], ("a",)), ([("a", 1)], ("a",))]
+  assert request.output_token_ids == [11, 12] and request.finish_reason == "length"
+  assert not scheduler.has_unfinished_requests() and scheduler.schedule().is_empty
+
+
+def test_max_num_seqs_limits_running_requests(configs, run, reference):
+  cfg = configs["llama"](max_num_seqs=2, max_num_batched_tokens=64)
+  requests = [Request(f"r{i}", [10 + i] * 4, SamplingParams(max_tokens=3)) for i in range(3)]
+  outputs, running_before, manager = run(cfg, requests)
+  assert _plan(outputs[0]) == [("r0", 4), ("r1", 4)]
+  assert max(len(r) for r in running_before) == 2
+  _check_against_reference(requests, reference, cfg, False)
+  assert manager.all_free()
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_next"])
+def test_preemption_takes_the_newest_and_every_request_completes(configs, run, reference, model):
+  cfg = configs[model](block_size=4, num_kv_blocks=9, max_num_batched_tokens=16, max_num_seqs=4)
+  rng = np.random.default_rng(7)
+  requests = [
+      Request(f"r{i}", rng.integers(3, 259, size=6 + i).tolist(), SamplingParams(max_tokens=12)) for i in range(4)
+  ]
+  outputs, running_before, manager = run(cfg, requests)
+  preempting = [(out, before) for out, before in zip(outputs, running_before) if out.preempted_request_ids]
+  assert preempting, "the pool is small enough that some request must be preempted"
+  for out, before in preempting:
+    newest_first = before[::-1]
+    assert list(out.preempted_request_ids) == newest_first[: len(out.preempted_request_ids)]
+  assert sum(r.num_preemptions for r in requests) >= 1 and requests[0].num_preemptions == 0
+  _check_against_reference(requests, reference, cfg, model == "qwen3_next")
+  assert manager.all_free()
+
+
+@pytest.mark.parametrize(
+    "model, overrides",
+    [
+        ("llama", {}),
+        ("gemma3", {"num_kv_shared_layers": 2}),
+        ("gemma3", {"hybrid_kv_cache": False}),
+        ("qwen3_next", {"kv_cache_layout": "shuffled"}),
+    ],
+)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_workloads_match_the_reference_and_leak_nothing(configs, run, reference, model, overrides, seed):
+  cfg = configs[model](
+      block_size=4, num_kv_blocks=8, max_num_batched_tokens=12, max_num_seqs=3, max_target_length=24, **overrides
+  )
+  rng = np.random.default_rng(seed)
+  requests = _random_requests(rng, 7, max_prompt=14, max_new=10)
+  for request in requests[::2]:  # stop early at a token the request would generate
+    params = request.sampling_params
+    expected, _ = reference(request.prompt_token_ids, params, cfg.max_target_length, model == "qwen3_next")
+    stop = (expected[int(rng.integers(0, len(expected)))],)
+    request.sampling_params = SamplingParams(max_tokens=params.max_tokens, stop_token_ids=stop)
+  # 2 state slots for 3 sequences: admission also waits for slots (even seeds); 3 slots: only blocks limit.
+  outputs, _, manager = run(cfg, requests, num_state_slots=3 + seed % 2)
+  assert any(out.preempted_request_ids for out in outputs), "the pool is small enough to force preemption"
+  _check_against_reference(requests, reference, cfg, model == "qwen3_next")
+  assert manager.all_free()
+
+
+def test_waiting_request_waits_for_blocks(configs, run, reference):
+  cfg = configs["llama"](block_size=4, num_kv_blocks=5, max_num_batched_tokens=32)
+  requests = [
+      Request("a", list(range(3, 15)), SamplingParams(max_tokens=4)),
+      Request("b", list(range(3, 11)), SamplingParams(max_tokens=4)),
+  ]
+  outputs, _, manager = run(cfg, requests)
+  assert _plan(outputs[0]) == [("a", 12)] and not outputs[0].preempted_request_ids
+  first_b = next(i for i, out in enumerate(outputs) if "b" in [r.request_id for r, _ in out.scheduled])
+  assert first_b == 4  # after a's 4 tokens are generated and a is freed
+  _check_against_reference(requests, reference, cfg, False)
+  assert manager.all_free()
+
+
+def test_finish_reasons(configs, run, reference):
+  cfg = configs["llama"](max_target_length=8)
+  prompt = [3, 4, 5, 6, 7]
+  first, _ = reference(prompt, SamplingParams(max_tokens=1), 8, False)
+  requests = [
+      Request("stop", prompt, SamplingParams(stop_token_ids=(first[0],))),
+      Request("length", prompt, SamplingParams(max_tokens=100)),
+      Request("max_tokens", prompt, SamplingParams(max_tokens=2)),
+  ]
+  run(cfg, requests)
+  assert [(r.finish_reason, len(r.output_token_ids)) for r in requests] == [("stop", 1), ("length", 3), ("length", 2)]
+  eos = Request("eos", prompt)
+  run(cfg, [eos], eos_token_id=first[0])
+  assert (eos.finish_reason, eos.output_token_ids) == ("stop", first)
+
+
+def test_add_request_validation(configs, make_specs):
+  scheduler = _scheduler(configs["llama"](max_target_length=16, block_size=4, num_kv_blocks=4), make_specs)
+  with pytest.raises(TypeError, match="add_request needs a Request, got list"):
+    scheduler.add_request([1, 2])
+  with pytest.raises(ValueError, match="request 'e': the prompt is empty"):
+    scheduler.add_request(Request("e", []))
+  for token in (512, -1, True, 2.0):
+    with pytest.raises(ValueError, match=r"request 't': prompt token .* must be an int in \[0, vocab_size=512\)"):
+      scheduler.add_request(Request("t", [5, token]))
+  with pytest.raises(ValueError, match="the prompt has 16 tokens but must be shorter than max_target_length=16"):
+    scheduler.add_request(Request("long", [5] * 16))
+  with pytest.raises(ValueError, match="request 'big': 14 tokens need 4 blocks in group 0"):
+    scheduler.add_request(Request("big", [5] * 10, SamplingParams(max_tokens=5)))
+  scheduler.add_request(Request("ok", [np.int64(5)] * 12, SamplingParams(max_tokens=1)))
+  with pytest.raises(ValueError, match="request 'ok': an unfinished request with this id already exists"):
+    scheduler.add_request(Request("ok", [5]))
+  used = Request("used", [5], output_token_ids=[6])
+  with pytest.raises(ValueError, match="request 'used': must be new"):
+    scheduler.add_request(used)
+  assert scheduler.num_unfinished_requests == 1
+  assert scheduler.waiting[0].prompt_token_ids == (5,) * 12 and isinstance(scheduler.waiting[0].prompt_token_ids[0], int)
+
+
+def test_request_that_can_never_fit_raises_instead_of_looping(configs, make_specs):
+  # Only sliding layers (window 8): admission cannot reject by length, so the scheduler finds out while running.
+  sliding = {"base_num_decoder_layers": 2, "layer_types": ["sliding_attention"] * 2, "block_size": 4, "num_kv_blocks": 4}
+  scheduler = _scheduler(configs["gemma3"](max_num_batched_tokens=64, **sliding), make_specs)
+  scheduler.add_request(Request("a", [5] * 40))
+  with pytest.raises(RuntimeError, match=r"request 'a' can never fit: computing tokens \[0, 40\) fails .*3 free"):
+    scheduler.schedule()
+  scheduler = _scheduler(configs["gemma3"](max_num_batched_tokens=8, **sliding), make_specs)
+  scheduler.add_request(Request("a", [5] * 40))
+  scheduler.update_from_output(scheduler.schedule(), {})
+  with pytest.raises(RuntimeError, match=r"request 'a' can never fit: computing tokens \[8, 16\)"):
+    scheduler.schedule()
+
+
+def test_state_slots_are_reported_for_zeroing(configs, make_specs):
+  scheduler = _scheduler(configs["qwen3_next"](), make_specs)
+  manager = scheduler.kv_cache_manager
+  scheduler.add_request(Request("a", [5, 6], SamplingParams(max_tokens=1)))
+  scheduler.add_request(Request("b", [7, 8], SamplingParams(max_tokens=2)))
+  out = scheduler.schedule()
+  assert (manager.get_state_slot("a"), manager.get_state_slot("b"), out.slots_to_zero) == (1, 2, ())
+  finished = scheduler.update_from_output(out, {"a": 9, "b": 10})
+  assert [r.request_id for r in finished] == ["a"] and not manager.has_request("a")
+  scheduler.add_request(Request("c", [11]))
+  out = scheduler.schedule()
+  assert out.slots_to_zero == (1,) and manager.get_state_slot("c") == 1
+
+
+def test_update_from_output_validation(configs, make_specs):
+  scheduler = _scheduler(configs["llama"](), make_specs)
+  scheduler.add_request(Request("a", [5, 6]))
+  out = scheduler.schedule()
+  with pytest.raises(ValueError, match=r"missing \['a'\], unexpected \[\]"):
+    scheduler.update_from_output(out, {})
+  with pytest.raises(ValueError, match=r"missing \[\], unexpected \['x'\]"):
+    scheduler.update_from_output(out, {"a": 5, "x": 6})
+  with pytest.raises(ValueError, match=r"request 'a': sampled token 512 must be an int in \[0, vocab_size=512\)"):
+    scheduler.update_from_output(out, {"a": 512})
+  assert scheduler.running[0].num_computed_tokens == 0  # nothing applied by the failed calls
+  scheduler.update_from_output(out, {"a": np.int32(7)})
+  assert scheduler.running[0].output_token_ids == [7] and isinstance(scheduler.running[0].output_token_ids[0], int)
+  with pytest.raises(ValueError, match="request 'a': this scheduler output is stale"):
+    scheduler.update_from_output(out, {"a": 7})

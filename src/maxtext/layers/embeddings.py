@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtext.layers.initializers import draw_key, fan_in_uniform
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,7 +46,7 @@ def attend(embedding: jax.Array, x: jax.Array, *, dtype: jnp.dtype) -> jax.Array
 
 
 class Embed(nnx.Module):
-  """Token embedding table `embedding [V, D]` (init Normal(0, 1/D))."""
+  """Token embedding table `embedding [V, D]` (init variance 1/D)."""
 
   def __init__(
       self,
@@ -61,8 +63,7 @@ class Embed(nnx.Module):
     self.features = int(features)
     self.scale = math.sqrt(features) if use_scale else None
     self.dtype = jnp.dtype(dtype)
-    init = jax.random.normal(rngs.params(), (num_embeddings, features), jnp.float32) / math.sqrt(features)
-    self.embedding = nnx.Param(init.astype(weight_dtype))
+    self.embedding = nnx.Param(fan_in_uniform(draw_key(rngs), (num_embeddings, features), weight_dtype, features))
 
   def __call__(self, tokens: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
     """Embeds `[...]` ids -> `[..., D]`."""

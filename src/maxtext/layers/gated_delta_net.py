@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtext.layers.linears import DenseGeneral, scaled_normal
+from maxtext.layers.initializers import draw_key, fan_in_uniform, uniform
+from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.normalizations import RMSNorm, gated_rms_norm
 
 logger = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ class GatedDeltaNet(nnx.Module):
     self.b = DenseGeneral(emb_dim, num_value_heads, **kw)
     self.a = DenseGeneral(emb_dim, num_value_heads, **kw)
     self.conv = _Conv(conv_kernel_dim, self.conv_dim, weight_dtype=weight_dtype, rngs=rngs)
-    a_init = jax.random.uniform(rngs.params(), (num_value_heads,), jnp.float32, 1.0, 16.0)
+    a_init = uniform(draw_key(rngs), (num_value_heads,), jnp.float32, std=7.5 / 3**0.5, mean=8.5)  # U(1, 16)
     self.A_log = nnx.Param(jnp.log(a_init).astype(weight_dtype))  # pylint: disable=invalid-name  # canonical name
     self.dt_bias = nnx.Param(jnp.ones((num_value_heads,), weight_dtype))
     self.norm = RMSNorm(value_head_dim, eps=norm_eps, zero_centered=False, weight_dtype=weight_dtype)
@@ -220,6 +221,15 @@ class GatedDeltaNet(nnx.Module):
     """Input projections: `[..., D]` -> qkv `[..., C]`, z `[..., nv, hv]`, b `[..., nv]`, a `[..., nv]`."""
     z = self.z(x)
     return self.qkv(x), z.reshape(*z.shape[:-1], self.nv, self.hv), self.b(x), self.a(x)
+
+  def split_qkv(self, conv_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Splits post-conv channels `[..., C]` into raw q `[..., nk, hk]`, k `[..., nk, hk]`, v `[..., nv, hv]`."""
+    nkk = self.nk * self.hk
+    lead = conv_out.shape[:-1]
+    q = conv_out[..., :nkk].reshape(*lead, self.nk, self.hk)
+    k = conv_out[..., nkk : 2 * nkk].reshape(*lead, self.nk, self.hk)
+    v = conv_out[..., 2 * nkk :].reshape(*lead, self.nv, self.hv)
+    return q, k, v
 
   def split_heads(self, conv_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Post-conv channels to delta-rule inputs.
@@ -231,11 +241,7 @@ class GatedDeltaNet(nnx.Module):
       q `[..., nv, hk]` (l2-normalised, scaled by hk^-0.5, repeated to value heads), k `[..., nv, hk]`
       (l2-normalised, repeated), v `[..., nv, hv]`; q and k float32.
     """
-    nkk = self.nk * self.hk
-    lead = conv_out.shape[:-1]
-    q = conv_out[..., :nkk].reshape(*lead, self.nk, self.hk)
-    k = conv_out[..., nkk : 2 * nkk].reshape(*lead, self.nk, self.hk)
-    v = conv_out[..., 2 * nkk :].reshape(*lead, self.nv, self.hv)
+    q, k, v = self.split_qkv(conv_out)
     r = self.nv // self.nk
     q = jnp.repeat(l2_normalize(q) * (self.hk**-0.5), r, axis=-2)
     k = jnp.repeat(l2_normalize(k), r, axis=-2)
@@ -288,4 +294,4 @@ class _Conv(nnx.Module):
   """Holds the depthwise conv weight `kernel [K, C]` (HF conv1d.weight [C, 1, K] transposed)."""
 
   def __init__(self, width: int, channels: int, *, weight_dtype: jnp.dtype, rngs: nnx.Rngs):
-    self.kernel = nnx.Param(scaled_normal(rngs.params(), (width, channels), weight_dtype, width))
+    self.kernel = nnx.Param(fan_in_uniform(draw_key(rngs), (width, channels), weight_dtype, width))

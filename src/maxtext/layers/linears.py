@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maxtext.layers.initializers import draw_key, fan_in_uniform
+
 logger = logging.getLogger(__name__)
 
 
@@ -18,11 +20,6 @@ def _as_shape(features: int | Sequence[int], name: str) -> tuple[int, ...]:
   if not shape or any(not isinstance(s, (int, np.integer)) or s <= 0 for s in shape):
     raise ValueError(f"{name} must be a positive int or a non-empty tuple of positive ints, got {features!r}")
   return tuple(int(s) for s in shape)
-
-
-def scaled_normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype, fan_in: int) -> jax.Array:
-  """Normal(0, 1/fan_in) initialisation, sampled in float32 and cast to `dtype`."""
-  return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
 
 
 def dense_general(
@@ -69,7 +66,7 @@ class DenseGeneral(nnx.Module):
     self.out_shape = _as_shape(out_features, "out_features")
     self.dtype = jnp.dtype(dtype)
     fan_in = math.prod(self.in_shape)
-    self.kernel = nnx.Param(scaled_normal(rngs.params(), self.in_shape + self.out_shape, weight_dtype, fan_in))
+    self.kernel = nnx.Param(fan_in_uniform(draw_key(rngs), self.in_shape + self.out_shape, weight_dtype, fan_in))
     self.bias = nnx.Param(jnp.zeros(self.out_shape, weight_dtype)) if use_bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook

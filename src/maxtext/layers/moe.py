@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtext.layers.linears import DenseGeneral, scaled_normal
+from maxtext.layers.initializers import draw_key, fan_in_uniform
+from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.mlp import MLP, get_activation
 
 logger = logging.getLogger(__name__)
@@ -129,9 +130,9 @@ class MoE(nnx.Module):
     self.dtype = jnp.dtype(dtype)
     self.router = DenseGeneral(emb_dim, num_experts, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
     up_shape = (num_experts, emb_dim, moe_mlp_dim)
-    self.gate = nnx.Param(scaled_normal(rngs.params(), up_shape, weight_dtype, emb_dim))
-    self.up = nnx.Param(scaled_normal(rngs.params(), up_shape, weight_dtype, emb_dim))
-    self.down = nnx.Param(scaled_normal(rngs.params(), (num_experts, moe_mlp_dim, emb_dim), weight_dtype, moe_mlp_dim))
+    self.gate = nnx.Param(fan_in_uniform(draw_key(rngs), up_shape, weight_dtype, emb_dim))
+    self.up = nnx.Param(fan_in_uniform(draw_key(rngs), up_shape, weight_dtype, emb_dim))
+    self.down = nnx.Param(fan_in_uniform(draw_key(rngs), (num_experts, moe_mlp_dim, emb_dim), weight_dtype, moe_mlp_dim))
     if shared_mlp_dim > 0:
       self.shared = MLP(emb_dim, shared_mlp_dim, activation=activation, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
       self.shared_gate = DenseGeneral(emb_dim, 1, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)

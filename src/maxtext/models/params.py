@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 def _named_variables(model: nnx.Module) -> dict[str, nnx.Param]:
   """`{canonical name: Param variable}` of a model, in `nnx.state` order."""
-  return {".".join(str(p) for p in path): var for path, var in nnx.state(model, nnx.Param).flat_state()}
+  return {".".join(str(p) for p in path): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
 def flat_param_shapes(cfg: ml_collections.FrozenConfigDict) -> dict[str, jax.ShapeDtypeStruct]:

@@ -104,7 +104,13 @@ class Transformer(nnx.Module):
 
 def abstract_model(cfg: ml_collections.FrozenConfigDict) -> Transformer:
   """The model with `jax.ShapeDtypeStruct` parameters (no memory allocated)."""
-  return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_seed)))
+
+  def build() -> Transformer:
+    with jax.ensure_compile_time_eval():  # a concrete key stream keeps tracing linear in the parameter count
+      rngs = nnx.Rngs(cfg.init_seed)
+    return Transformer(cfg, rngs=rngs)
+
+  return nnx.eval_shape(build)
 
 
 def param_count(cfg: ml_collections.FrozenConfigDict) -> int:

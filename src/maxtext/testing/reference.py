@@ -1,0 +1,295 @@
+"""Float64 NumPy reference of every layer and of the whole decoder, for tests.
+
+Written from the architecture notes (hf-architectures.md), independently of `maxtext.layers`: per-token loops,
+explicit masks, no chunking. Parameters come as a flat `{canonical name: array}` dict (INTERFACES.md).
+"""
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+logger = logging.getLogger(__name__)
+
+Params = Mapping[str, Any]
+
+
+def f64(x: Any) -> np.ndarray:
+  """Any array (NumPy, JAX, bfloat16) as float64 NumPy (exact for every input dtype)."""
+  return np.asarray(x).astype(np.float64)
+
+
+def module_params(module: nnx.Module) -> dict[str, np.ndarray]:
+  """`{joined nnx.Param path: float32 NumPy copy}` of a module (e.g. `"q.kernel"` for an attention layer)."""
+  return {
+      ".".join(str(k) for k in path): np.asarray(var.get_value(), np.float32)
+      for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param))
+  }
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+  """x * sigmoid(x)."""
+  return x / (1.0 + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+  """Logistic function."""
+  return 1.0 / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+  """Tanh-approximated GELU."""
+  return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, zero_centered: bool) -> np.ndarray:
+  """`x / sqrt(mean(x^2) + eps) * (1 + w if zero_centered else w)` over the last axis."""
+  x, w = f64(x), f64(w)
+  y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+  return y * (1.0 + w if zero_centered else w)
+
+
+def inv_freq(rotary_dim: int, theta: float, rope_type: str = "default", factor: float = 1.0, low: float = 1.0,
+             high: float = 4.0, original_max: int = 8192) -> np.ndarray:  # fmt: skip
+  """Inverse frequencies `[rotary_dim/2]` with default, linear or llama3 scaling."""
+  base = theta ** -(np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+  if rope_type == "linear":
+    return base / factor
+  if rope_type == "llama3":
+    out = np.empty_like(base)
+    for i, f in enumerate(base):
+      wavelen = 2 * math.pi / f
+      if wavelen < original_max / high:
+        out[i] = f
+      elif wavelen > original_max / low:
+        out[i] = f / factor
+      else:
+        smooth = (original_max / wavelen - low) / (high - low)
+        out[i] = (1 - smooth) * f / factor + smooth * f
+    return out
+  return base
+
+
+def rope(x: np.ndarray, positions: np.ndarray, freqs: np.ndarray) -> np.ndarray:
+  """Half-split RoPE on the first `2 * len(freqs)` dims of `x [T, H, Dh]` at `positions [T]`."""
+  x = f64(x).copy()
+  half = len(freqs)
+  for t, p in enumerate(positions):
+    for i, f in enumerate(freqs):
+      c, s = math.cos(p * f), math.sin(p * f)
+      a, b = x[t, :, i].copy(), x[t, :, i + half].copy()
+      x[t, :, i] = a * c - b * s
+      x[t, :, i + half] = b * c + a * s
+  return x
+
+
+def attention(
+    x: np.ndarray,
+    p: Params,
+    prefix: str,
+    *,
+    positions: np.ndarray,
+    freqs: np.ndarray,
+    scale: float,
+    window: int = 0,
+    soft_cap: float = 0.0,
+    eps: float = 1e-6,
+    zero_centered: bool = False,
+    shared_kv: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+  """One sequence `x [T, D]` through an attention layer whose params are `p[prefix + "q.kernel"]` etc.
+
+  Returns the output `[T, D]` and the (roped) K/V `[T, Hkv, Dh]` used.
+  """
+  x = f64(x)
+
+  def proj(name):
+    y = np.einsum("td,dhk->thk", x, f64(p[f"{prefix}{name}.kernel"]))
+    return y + f64(p[f"{prefix}{name}.bias"]) if f"{prefix}{name}.bias" in p else y
+
+  q = proj("q")
+  if f"{prefix}q_norm.scale" in p:
+    q = rms_norm(q, p[f"{prefix}q_norm.scale"], eps, zero_centered)
+  q = rope(q, positions, freqs)
+  if shared_kv is None:
+    k = proj("k")
+    if f"{prefix}k_norm.scale" in p:
+      k = rms_norm(k, p[f"{prefix}k_norm.scale"], eps, zero_centered)
+    k, v = rope(k, positions, freqs), proj("v")
+  else:
+    k, v = shared_kv
+  t, hq, dh = q.shape
+  group = hq // k.shape[1]
+  out = np.zeros((t, hq, dh))
+  for h in range(hq):
+    for i in range(t):
+      js = [j for j in range(t) if j <= i and (window <= 0 or j > i - window)]
+      logits = np.array([q[i, h] @ k[j, h // group] for j in js]) * scale
+      if soft_cap > 0:
+        logits = soft_cap * np.tanh(logits / soft_cap)
+      w = np.exp(logits - logits.max())
+      w /= w.sum()
+      out[i, h] = sum(wj * v[j, h // group] for wj, j in zip(w, js))
+  if f"{prefix}gate.kernel" in p:
+    out = out * sigmoid(np.einsum("td,dhk->thk", x, f64(p[f"{prefix}gate.kernel"])))
+  y = np.einsum("thk,hkd->td", out, f64(p[f"{prefix}o.kernel"]))
+  if f"{prefix}o.bias" in p:
+    y = y + f64(p[f"{prefix}o.bias"])
+  return y, (k, v)
+
+
+def gated_delta_net(
+    x: np.ndarray, p: Params, prefix: str, *, nk: int, nv: int, hk: int, hv: int, eps: float
+) -> np.ndarray:
+  """One sequence `x [T, D]` through a Gated DeltaNet layer, token by token. Returns `[T, D]`."""
+  x = f64(x)
+  t = x.shape[0]
+  qkv = x @ f64(p[prefix + "qkv.kernel"])  # [T, C]
+  z = (x @ f64(p[prefix + "z.kernel"])).reshape(t, nv, hv)
+  b = x @ f64(p[prefix + "b.kernel"])
+  a = x @ f64(p[prefix + "a.kernel"])
+  conv_w = f64(p[prefix + "conv.kernel"])  # [K, C]
+  width = conv_w.shape[0]
+  conv = np.zeros_like(qkv)
+  for i in range(t):
+    for j in range(width):
+      src = i - (width - 1) + j
+      if src >= 0:
+        conv[i] += conv_w[j] * qkv[src]
+  conv = silu(conv)
+  q = conv[:, : nk * hk].reshape(t, nk, hk)
+  k = conv[:, nk * hk : 2 * nk * hk].reshape(t, nk, hk)
+  v = conv[:, 2 * nk * hk :].reshape(t, nv, hv)
+  q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + 1e-6) * hk**-0.5
+  k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + 1e-6)
+  g = -np.exp(f64(p[prefix + "A_log"])) * np.log1p(np.exp(a + f64(p[prefix + "dt_bias"])))
+  beta = sigmoid(b)
+  r = nv // nk
+  o = np.zeros((t, nv, hv))
+  for h in range(nv):
+    s = np.zeros((hk, hv))
+    for i in range(t):
+      kh, qh = k[i, h // r], q[i, h // r]
+      s = s * np.exp(g[i, h])
+      s = s + np.outer(kh, beta[i, h] * (v[i, h] - kh @ s))
+      o[i, h] = qh @ s
+  o = rms_norm(o, p[prefix + "norm.scale"], eps, False) * silu(z)
+  return o.reshape(t, nv * hv) @ f64(p[prefix + "out.kernel"])
+
+
+def mlp(x: np.ndarray, p: Params, prefix: str, activation: str) -> np.ndarray:
+  """Gated MLP `down(act(gate x) * up x)` with optional biases."""
+  x = f64(x)
+
+  def proj(name, inp):
+    y = inp @ f64(p[f"{prefix}{name}.kernel"])
+    return y + f64(p[f"{prefix}{name}.bias"]) if f"{prefix}{name}.bias" in p else y
+
+  return proj("down", ACTIVATIONS[activation](proj("gate", x)) * proj("up", x))
+
+
+def moe(x: np.ndarray, p: Params, prefix: str, *, top_k: int, normalize: bool, activation: str) -> np.ndarray:
+  """Softmax top-k routed experts plus the sigmoid-gated shared expert, token by token."""
+  x = f64(x)
+  act = ACTIVATIONS[activation]
+  logits = x @ f64(p[prefix + "router.kernel"])
+  wg, wu, wd = f64(p[prefix + "gate"]), f64(p[prefix + "up"]), f64(p[prefix + "down"])
+  out = np.zeros_like(x)
+  for t in range(x.shape[0]):
+    probs = np.exp(logits[t] - logits[t].max())
+    probs /= probs.sum()
+    chosen = np.argsort(-probs, kind="stable")[:top_k]
+    weights = probs[chosen] / (probs[chosen].sum() if normalize else 1.0)
+    for w, e in zip(weights, chosen):
+      out[t] += w * ((act(x[t] @ wg[e]) * (x[t] @ wu[e])) @ wd[e])
+  if prefix + "shared_gate.kernel" in p:
+    out += sigmoid(x @ f64(p[prefix + "shared_gate.kernel"])) * mlp(x, p, prefix + "shared.", activation)
+  return out
+
+
+_ZERO_CENTERED = ("gemma3", "qwen3_next", "qwen3_5")
+
+
+def model_forward(cfg: Any, p: Params, tokens: np.ndarray) -> np.ndarray:
+  """Logits `[T, V]` of one sequence `tokens [T]` (positions 0..T-1), float64.
+
+  Family traits are read from `cfg.decoder_block` directly (not from derived config flags); the per-layer
+  kinds, KV-sharing sources and MoE layers come from the config.
+  """
+  block = cfg.decoder_block
+  zc = block in _ZERO_CENTERED
+  eps = cfg.normalization_layer_epsilon
+  act = cfg.mlp_activations[0]
+  t = len(tokens)
+  positions = np.arange(t)
+  emb = f64(p["embedder.embedding"])
+  x = emb[np.asarray(tokens)]
+  if block == "gemma3":
+    x = x * math.sqrt(cfg.base_emb_dim)
+  dh = cfg.head_dim
+  rd = int(dh * cfg.partial_rotary_factor)
+  scale = (cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar > 0 else dh) ** -0.5
+  kvs = {}
+  for i, kind in enumerate(cfg.layer_types):
+    pre = f"layers.{i}."
+    h = rms_norm(x, p[pre + "input_norm.scale"], eps, zc)
+    if kind == "linear_attention":
+      h = gated_delta_net(
+          h,
+          p,
+          pre + "gdn.",
+          nk=cfg.gdn_num_key_heads,
+          nv=cfg.gdn_num_value_heads,
+          hk=cfg.gdn_key_head_dim,
+          hv=cfg.gdn_value_head_dim,
+          eps=eps,
+      )
+    else:
+      if kind == "sliding_attention":
+        freqs = inv_freq(rd, cfg.local_rope_max_timescale)
+      else:
+        freqs = inv_freq(
+            rd,
+            cfg.rope_max_timescale,
+            cfg.rope_type,
+            cfg.rope_scaling_factor,
+            cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor,
+            cfg.rope_original_max_position_embeddings,
+        )
+      src = cfg.kv_shared_source[i]
+      h, kvs[i] = attention(
+          h,
+          p,
+          pre + "attn.",
+          positions=positions,
+          freqs=freqs,
+          scale=scale,
+          window=cfg.sliding_window_size if kind == "sliding_attention" else 0,
+          soft_cap=cfg.attn_logits_soft_cap,
+          eps=eps,
+          zero_centered=zc,
+          shared_kv=kvs[src] if src >= 0 else None,
+      )
+    if block == "gemma3":
+      h = rms_norm(h, p[pre + "post_attn_norm.scale"], eps, zc)
+    x = x + h
+    h = rms_norm(x, p[pre + "pre_mlp_norm.scale"], eps, zc)
+    if cfg.moe_layers[i]:
+      h = moe(h, p, pre + "moe.", top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob, activation=act)
+    else:
+      h = mlp(h, p, pre + "mlp.", act)
+    if block == "gemma3":
+      h = rms_norm(h, p[pre + "post_mlp_norm.scale"], eps, zc)
+    x = x + h
+  x = rms_norm(x, p["final_norm.scale"], eps, zc)
+  logits = x @ (emb.T if cfg.logits_via_embedding else f64(p["lm_head.kernel"]))
+  if cfg.final_logits_soft_cap > 0:
+    logits = cfg.final_logits_soft_cap * np.tanh(logits / cfg.final_logits_soft_cap)
+  return logits

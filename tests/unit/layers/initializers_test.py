@@ -1,0 +1,42 @@
+"""Hash-based initialiser: determinism, moments, independence of keys, works under eval_shape."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtext.layers.initializers import fan_in_uniform, uniform
+
+
+def test_uniform_is_deterministic_per_key_and_has_requested_moments():
+  key = jax.random.key(0)
+  a = np.asarray(uniform(key, (300, 200), jnp.float32, std=0.5, mean=2.0))
+  b = np.asarray(uniform(key, (300, 200), jnp.float32, std=0.5, mean=2.0))
+  np.testing.assert_array_equal(a, b)
+  assert a.mean() == pytest.approx(2.0, abs=5e-3)
+  assert a.std() == pytest.approx(0.5, rel=5e-3)
+  half_width = 0.5 * np.sqrt(3.0)
+  assert a.min() >= 2.0 - half_width and a.max() <= 2.0 + half_width
+
+
+def test_different_keys_give_uncorrelated_values():
+  a = np.asarray(uniform(jax.random.key(1), (10000,), jnp.float32, std=1.0))
+  b = np.asarray(uniform(jax.random.key(2), (10000,), jnp.float32, std=1.0))
+  assert abs(np.corrcoef(a, b)[0, 1]) < 0.05
+  assert abs(np.corrcoef(a[:-1], a[1:])[0, 1]) < 0.05  # neighbouring counters are uncorrelated too
+
+
+def test_fan_in_uniform_scale_and_dtype():
+  x = fan_in_uniform(jax.random.key(5), (64, 400), jnp.bfloat16, fan_in=64)
+  assert x.dtype == jnp.bfloat16 and x.shape == (64, 400)
+  assert float(jnp.std(x.astype(jnp.float32))) == pytest.approx(1 / 8, rel=0.03)
+
+
+def test_abstract_evaluation_allocates_nothing():
+  out = jax.eval_shape(lambda: fan_in_uniform(jax.random.key(0), (2**20, 2**11), jnp.bfloat16, 4))
+  assert out.shape == (2**20, 2**11) and out.dtype == jnp.bfloat16
+
+
+def test_rejects_parameters_beyond_the_counter_range():
+  with pytest.raises(ValueError, match=r"cannot initialise a parameter of 4294967296 elements \(limit 2\*\*32\)"):
+    jax.eval_shape(lambda: uniform(jax.random.key(0), (2**16, 2**16), jnp.float32, 1.0))

@@ -225,6 +225,15 @@ class GatedDeltaNet(nnx.Module):
     z = self.z(x)
     return self.qkv(x), z.reshape(*z.shape[:-1], self.nv, self.hv), self.b(x), self.a(x)
 
+  def split_qkv(self, conv_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Splits post-conv channels `[..., C]` into raw q `[..., nk, hk]`, k `[..., nk, hk]`, v `[..., nv, hv]`."""
+    nkk = self.nk * self.hk
+    lead = conv_out.shape[:-1]
+    q = conv_out[..., :nkk].reshape(*lead, self.nk, self.hk)
+    k = conv_out[..., nkk : 2 * nkk].reshape(*lead, self.nk, self.hk)
+    v = conv_out[..., 2 * nkk :].reshape(*lead, self.nv, self.hv)
+    return q, k, v
+
   def split_heads(self, conv_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Post-conv channels to delta-rule inputs.
 
@@ -235,11 +244,7 @@ class GatedDeltaNet(nnx.Module):
       q `[..., nv, hk]` (l2-normalised, scaled by hk^-0.5, repeated to value heads), k `[..., nv, hk]`
       (l2-normalised, repeated), v `[..., nv, hv]`; q and k float32.
     """
-    nkk = self.nk * self.hk
-    lead = conv_out.shape[:-1]
-    q = conv_out[..., :nkk].reshape(*lead, self.nk, self.hk)
-    k = conv_out[..., nkk : 2 * nkk].reshape(*lead, self.nk, self.hk)
-    v = conv_out[..., 2 * nkk :].reshape(*lead, self.nv, self.hv)
+    q, k, v = self.split_qkv(conv_out)
     r = self.nv // self.nk
     q = jnp.repeat(l2_normalize(q) * (self.hk**-0.5), r, axis=-2)
     k = jnp.repeat(l2_normalize(k), r, axis=-2)

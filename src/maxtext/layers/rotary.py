@@ -35,7 +35,7 @@ class RopeSpec:
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if self.rotary_dim <= 0 or self.rotary_dim % 2:
       raise ValueError(f"RopeSpec.rotary_dim must be a positive even number, got {self.rotary_dim}")
     if self.theta <= 0:

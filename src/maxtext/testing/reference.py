@@ -144,7 +144,9 @@ def attention(
   return y, (k, v)
 
 
-def gated_delta_net(x: np.ndarray, p: Params, prefix: str, *, nk: int, nv: int, hk: int, hv: int, eps: float):
+def gated_delta_net(
+    x: np.ndarray, p: Params, prefix: str, *, nk: int, nv: int, hk: int, hv: int, eps: float
+) -> np.ndarray:
   """One sequence `x [T, D]` through a Gated DeltaNet layer, token by token. Returns `[T, D]`."""
   x = f64(x)
   t = x.shape[0]

@@ -1,0 +1,115 @@
+"""Convert a local Hugging Face folder to an Orbax parameter checkpoint plus a YAML of its config keys.
+
+    python scripts/convert_hf_checkpoint.py --hf_model_path DIR --output_dir OUT [--weight_dtype bfloat16]
+
+writes
+    OUT/params/             Orbax checkpoint of the canonical parameters (in weight_dtype)
+    OUT/maxtext_model.yml   the model keys derived from config.json, weight_dtype, load_parameters_path=OUT/params
+                            and tokenizer_path=DIR
+Load it with `load_converted_config(OUT, **overrides)` (or pass the YAML's keys to `load_config`), then
+`maxtext.checkpoint.load_model(cfg)` restores the parameters from `load_parameters_path`.
+"""
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import ml_collections
+import yaml
+
+from maxtext.checkpoint import hf, hf_config, orbax
+from maxtext.configs import load_config
+
+logger = logging.getLogger(__name__)
+
+PARAMS_DIR = "params"
+MODEL_CONFIG_FILE = "maxtext_model.yml"
+EXIT_USAGE = 2
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+  """argparse with one-line errors on stderr (exit status 2)."""
+
+  def error(self, message: str) -> NoReturn:
+    self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def convert(
+    hf_model_path: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    weight_dtype: str = "float32",
+    progress: bool = True,
+) -> dict[str, Any]:
+  """Converts a Hugging Face folder; see the module docstring for the files written.
+
+  Args:
+    hf_model_path: local folder with config.json and safetensors.
+    output_dir: folder to create (it must not already hold a converted checkpoint).
+    weight_dtype: parameter dtype of the checkpoint (float32 | bfloat16).
+    progress: show a tqdm progress bar on stderr while reading the safetensors.
+
+  Returns:
+    The keys written to maxtext_model.yml.
+
+  Raises:
+    FileExistsError: output_dir already holds a checkpoint.
+    FileNotFoundError, ValueError, NotImplementedError: as `hf.load_hf_config` / `hf.iter_hf_params`.
+  """
+  source = os.path.abspath(os.fspath(hf_model_path))
+  out = os.path.abspath(os.fspath(output_dir))
+  params_dir = os.path.join(out, PARAMS_DIR)
+  if os.path.exists(params_dir) or os.path.exists(os.path.join(out, MODEL_CONFIG_FILE)):
+    raise FileExistsError(f"output_dir {out!r} already holds a converted checkpoint; choose an empty folder")
+  keys = hf_config.hf_config_to_overrides(hf_config.read_hf_config(source))
+  keys["weight_dtype"] = weight_dtype
+  cfg = hf.load_hf_config(source, weight_dtype=weight_dtype)
+  params = hf.load_hf_params(source, cfg, progress=progress)
+  os.makedirs(out, exist_ok=True)
+  orbax.save_params(params_dir, params)
+  del params
+  keys["load_parameters_path"] = params_dir
+  keys["tokenizer_path"] = source
+  with open(os.path.join(out, MODEL_CONFIG_FILE), "w", encoding="utf-8") as f:
+    f.write(f"# Converted from {source} by maxtext.checkpoint.convert; model keys of configs/base.yml.\n")
+    yaml.safe_dump(keys, f, sort_keys=False)
+  logger.info("converted %s -> %s", source, out)
+  return keys
+
+
+def load_converted_config(output_dir: str | os.PathLike, **overrides: Any) -> ml_collections.FrozenConfigDict:
+  """Loads the config of a converted checkpoint folder (its maxtext_model.yml, then `overrides`).
+
+  Raises:
+    FileNotFoundError: the folder has no maxtext_model.yml.
+  """
+  path = os.path.join(os.fspath(output_dir), MODEL_CONFIG_FILE)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{os.fspath(output_dir)!r} has no {MODEL_CONFIG_FILE}; is it a converted checkpoint?")
+  with open(path, encoding="utf-8") as f:
+    keys = yaml.safe_load(f)
+  keys.update(overrides)
+  return load_config(**keys)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Command line entry point; returns the exit status (0, or 2 with one line on stderr for bad input)."""
+  parser = _ArgumentParser(
+      prog="convert_hf_checkpoint", description="Convert a Hugging Face folder to an Orbax checkpoint."
+  )
+  parser.add_argument("--hf_model_path", required=True, help="local folder with config.json and *.safetensors")
+  parser.add_argument("--output_dir", required=True, help="folder to write params/ and maxtext_model.yml into")
+  parser.add_argument("--weight_dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
+  parser.add_argument("--no_progress", action="store_true", help="do not show a progress bar")
+  args = parser.parse_args(argv)
+  try:
+    keys = convert(args.hf_model_path, args.output_dir, weight_dtype=args.weight_dtype, progress=not args.no_progress)
+  except (OSError, ValueError, NotImplementedError) as e:
+    message = " ".join(str(e).split())
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+  print(f"wrote {keys['load_parameters_path']} and {os.path.join(os.path.abspath(args.output_dir), MODEL_CONFIG_FILE)}")
+  return 0

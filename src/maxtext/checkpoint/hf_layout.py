@@ -1,0 +1,292 @@
+"""Which Hugging Face tensors make which canonical parameters, and how they are re-laid-out.
+
+Each `Recipe` reads one or more on-disk tensors (checked against their expected shapes before anything is loaded) and
+produces one or more canonical parameters (INTERFACES.md names, kernels [in, out...]). Layouts handled here:
+  - q/k/v_proj [H*Dh, D] -> [D, H, Dh]; o_proj [D, Hq*Dh] -> [Hq, Dh, D]; Linear [out, in] -> [in, out].
+  - Qwen3-Next / Qwen3.5 gated q_proj [Hq*2*Dh, D], rows per head [q_h | gate_h] -> q and gate [D, Hq, Dh].
+  - Qwen3-Next grouped in_proj_qkvz (rows per key head g: [q_g hk | k_g hk | v_g r*hv | z_g r*hv]) and in_proj_ba
+    (rows per g: [b_g r | a_g r]) -> the flat Qwen3.5 layout qkv [q nk*hk | k nk*hk | v nv*hv], z, b, a.
+  - conv1d.weight [C, 1, K] -> [K, C].
+  - MoE experts, per-expert keys (`experts.{e}.gate_proj.weight`, as save_pretrained and the Hub write them) or the
+    fused transformers 5 layout (`experts.gate_up_proj` [E, 2*Fe, D], `experts.down_proj` [E, D, Fe]) -> stacked
+    [E, D, Fe] / [E, Fe, D], filled expert by expert into one preallocated array.
+"""
+
+import dataclasses
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import numpy as np
+
+Shape = tuple[int, ...]
+# read(j) loads the j-th source tensor of a recipe in its stored dtype.
+Reader = Callable[[int], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """How to build canonical parameters from on-disk tensors.
+
+  Attributes:
+    sources: normalised Hugging Face names, read in this order.
+    source_shapes: the on-disk shape each source must have.
+    targets: (canonical name, shape) of every output.
+    convert: (read, dtype) -> one array per target, in `targets` order, of dtype `dtype`.
+  """
+
+  sources: tuple[str, ...]
+  source_shapes: tuple[Shape, ...]
+  targets: tuple[tuple[str, Shape], ...]
+  convert: Callable[[Reader, Any], tuple[np.ndarray, ...]]
+
+
+def _cast(x: np.ndarray, dtype: Any) -> np.ndarray:
+  return np.ascontiguousarray(x.astype(dtype, copy=False))
+
+
+def _same(source: str, shape: Shape, target: str) -> Recipe:
+  return Recipe((source,), (shape,), ((target, shape),), lambda read, dt: (_cast(read(0), dt),))
+
+
+def _linear(source: str, out_dim: int, in_dim: int, target: str) -> Recipe:
+  """Linear weight [out, in] -> kernel [in, out]."""
+  return Recipe((source,), ((out_dim, in_dim),), ((target, (in_dim, out_dim)),), lambda read, dt: (_cast(read(0).T, dt),))
+
+
+def _heads_in(source: str, heads: int, head_dim: int, hidden: int, target: str) -> Recipe:
+  """q/k/v_proj [H*Dh, D] -> [D, H, Dh]."""
+
+  def convert(read: Reader, dt: Any) -> tuple[np.ndarray, ...]:
+    return (_cast(read(0).T.reshape(hidden, heads, head_dim), dt),)
+
+  return Recipe((source,), ((heads * head_dim, hidden),), ((target, (hidden, heads, head_dim)),), convert)
+
+
+def _head_bias(source: str, heads: int, head_dim: int, target: str) -> Recipe:
+  """q/k/v_proj.bias [H*Dh] -> [H, Dh]."""
+  return Recipe(
+      (source,),
+      ((heads * head_dim,),),
+      ((target, (heads, head_dim)),),
+      lambda read, dt: (_cast(read(0).reshape(heads, head_dim), dt),),
+  )
+
+
+def _gated_q(source: str, heads: int, head_dim: int, hidden: int, q_target: str, gate_target: str) -> Recipe:
+  """Gated q_proj [Hq*2*Dh, D], rows per head [q_h | gate_h] -> q, gate [D, Hq, Dh]."""
+
+  def convert(read: Reader, dt: Any) -> tuple[np.ndarray, ...]:
+    w = read(0).reshape(heads, 2, head_dim, hidden)
+    return _cast(w[:, 0].transpose(2, 0, 1), dt), _cast(w[:, 1].transpose(2, 0, 1), dt)
+
+  shape = (hidden, heads, head_dim)
+  return Recipe((source,), ((heads * 2 * head_dim, hidden),), ((q_target, shape), (gate_target, shape)), convert)
+
+
+def _o_proj(source: str, heads: int, head_dim: int, hidden: int, target: str) -> Recipe:
+  """o_proj [D, Hq*Dh] -> [Hq, Dh, D]."""
+
+  def convert(read: Reader, dt: Any) -> tuple[np.ndarray, ...]:
+    return (_cast(read(0).T.reshape(heads, head_dim, hidden), dt),)
+
+  return Recipe((source,), ((hidden, heads * head_dim),), ((target, (heads, head_dim, hidden)),), convert)
+
+
+def _grouped_qkvz(source: str, nk: int, nv: int, hk: int, hv: int, hidden: int, qkv: str, z: str) -> Recipe:
+  """Qwen3-Next in_proj_qkvz, grouped per key head, -> flat qkv [D, C] and z [D, nv*hv]."""
+  r = nv // nk
+
+  def convert(read: Reader, dt: Any) -> tuple[np.ndarray, ...]:
+    w = read(0).reshape(nk, 2 * hk + 2 * r * hv, hidden)
+    q, k, v, zz = w[:, :hk], w[:, hk : 2 * hk], w[:, 2 * hk : 2 * hk + r * hv], w[:, 2 * hk + r * hv :]
+    flat = np.concatenate([q.reshape(nk * hk, hidden), k.reshape(nk * hk, hidden), v.reshape(nv * hv, hidden)])
+    return _cast(flat.T, dt), _cast(zz.reshape(nv * hv, hidden).T, dt)
+
+  conv_dim = 2 * nk * hk + nv * hv
+  return Recipe(
+      (source,),
+      ((2 * nk * hk + 2 * nv * hv, hidden),),
+      ((qkv, (hidden, conv_dim)), (z, (hidden, nv * hv))),
+      convert,
+  )
+
+
+def _grouped_ba(source: str, nk: int, nv: int, hidden: int, b: str, a: str) -> Recipe:
+  """Qwen3-Next in_proj_ba, rows per key head [b_g r | a_g r], -> b, a [D, nv]."""
+  r = nv // nk
+
+  def convert(read: Reader, dt: Any) -> tuple[np.ndarray, ...]:
+    w = read(0).reshape(nk, 2 * r, hidden)
+    return _cast(w[:, :r].reshape(nv, hidden).T, dt), _cast(w[:, r:].reshape(nv, hidden).T, dt)
+
+  return Recipe((source,), ((2 * nv, hidden),), ((b, (hidden, nv)), (a, (hidden, nv))), convert)
+
+
+def _conv(source: str, channels: int, kernel: int, target: str) -> Recipe:
+  """Depthwise conv1d.weight [C, 1, K] -> [K, C]."""
+  return Recipe(
+      (source,),
+      ((channels, 1, kernel),),
+      ((target, (kernel, channels)),),
+      lambda read, dt: (_cast(read(0)[:, 0, :].T, dt),),
+  )
+
+
+def _stacked(sources: Sequence[str], out_dim: int, in_dim: int, target: str) -> Recipe:
+  """Per-expert Linear weights [out, in] -> one [E, in, out] array, filled expert by expert."""
+
+  def convert(read: Reader, dt: Any) -> tuple[np.ndarray, ...]:
+    out = np.empty((len(sources), in_dim, out_dim), dtype=dt)
+    for e in range(len(sources)):
+      out[e] = read(e).T.astype(dt, copy=False)
+    return (out,)
+
+  shapes = tuple((out_dim, in_dim) for _ in sources)
+  return Recipe(tuple(sources), shapes, ((target, (len(sources), in_dim, out_dim)),), convert)
+
+
+def _fused_gate_up(source: str, experts: int, moe_dim: int, hidden: int, gate: str, up: str) -> Recipe:
+  """transformers 5 experts.gate_up_proj [E, 2*Fe, D] (gate rows first) -> gate, up [E, D, Fe]."""
+
+  def convert(read: Reader, dt: Any) -> tuple[np.ndarray, ...]:
+    w = read(0)
+    return _cast(w[:, :moe_dim].transpose(0, 2, 1), dt), _cast(w[:, moe_dim:].transpose(0, 2, 1), dt)
+
+  shape = (experts, hidden, moe_dim)
+  return Recipe((source,), ((experts, 2 * moe_dim, hidden),), ((gate, shape), (up, shape)), convert)
+
+
+def _fused_down(source: str, experts: int, moe_dim: int, hidden: int, target: str) -> Recipe:
+  """transformers 5 experts.down_proj [E, D, Fe] -> [E, Fe, D]."""
+  return Recipe(
+      (source,),
+      ((experts, hidden, moe_dim),),
+      ((target, (experts, moe_dim, hidden)),),
+      lambda read, dt: (_cast(read(0).transpose(0, 2, 1), dt),),
+  )
+
+
+def _attention(cfg: Any, i: int) -> list[Recipe]:
+  p, c = f"model.layers.{i}.self_attn.", f"layers.{i}.attn."
+  d, hq, hkv, dh = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
+  shared = cfg.kv_shared_source[i] >= 0
+  if cfg.use_attention_output_gate and cfg.attention_bias:
+    raise NotImplementedError(
+        f"layer {i}: attention_bias with the gated attention of decoder_block={cfg.decoder_block!r} is not supported"
+    )
+  if cfg.use_attention_output_gate:
+    recipes = [_gated_q(p + "q_proj.weight", hq, dh, d, c + "q.kernel", c + "gate.kernel")]
+  else:
+    recipes = [_heads_in(p + "q_proj.weight", hq, dh, d, c + "q.kernel")]
+  kv = () if shared else ("k", "v")
+  recipes += [_heads_in(p + f"{n}_proj.weight", hkv, dh, d, c + f"{n}.kernel") for n in kv]
+  recipes.append(_o_proj(p + "o_proj.weight", hq, dh, d, c + "o.kernel"))
+  if cfg.attention_bias:
+    recipes.append(_head_bias(p + "q_proj.bias", hq, dh, c + "q.bias"))
+    recipes += [_head_bias(p + f"{n}_proj.bias", hkv, dh, c + f"{n}.bias") for n in kv]
+    recipes.append(_same(p + "o_proj.bias", (d,), c + "o.bias"))
+  if cfg.use_qk_norm:
+    recipes.append(_same(p + "q_norm.weight", (dh,), c + "q_norm.scale"))
+    if not shared:
+      recipes.append(_same(p + "k_norm.weight", (dh,), c + "k_norm.scale"))
+  return recipes
+
+
+def _gated_delta_net(cfg: Any, i: int) -> list[Recipe]:
+  p, c = f"model.layers.{i}.linear_attn.", f"layers.{i}.gdn."
+  d = cfg.base_emb_dim
+  nk, nv, hk, hv = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads, cfg.gdn_key_head_dim, cfg.gdn_value_head_dim
+  conv_dim = cfg.gdn_conv_dim
+  if cfg.decoder_block == "qwen3_next":
+    recipes = [
+        _grouped_qkvz(p + "in_proj_qkvz.weight", nk, nv, hk, hv, d, c + "qkv.kernel", c + "z.kernel"),
+        _grouped_ba(p + "in_proj_ba.weight", nk, nv, d, c + "b.kernel", c + "a.kernel"),
+    ]
+  else:
+    recipes = [
+        _linear(p + "in_proj_qkv.weight", conv_dim, d, c + "qkv.kernel"),
+        _linear(p + "in_proj_z.weight", nv * hv, d, c + "z.kernel"),
+        _linear(p + "in_proj_b.weight", nv, d, c + "b.kernel"),
+        _linear(p + "in_proj_a.weight", nv, d, c + "a.kernel"),
+    ]
+  return recipes + [
+      _conv(p + "conv1d.weight", conv_dim, cfg.gdn_conv_kernel_dim, c + "conv.kernel"),
+      _same(p + "A_log", (nv,), c + "A_log"),
+      _same(p + "dt_bias", (nv,), c + "dt_bias"),
+      _same(p + "norm.weight", (hv,), c + "norm.scale"),
+      _linear(p + "out_proj.weight", d, nv * hv, c + "out.kernel"),
+  ]
+
+
+def _dense_mlp(prefix: str, canonical: str, hidden: int, mlp_dim: int, bias: bool) -> list[Recipe]:
+  recipes = [
+      _linear(prefix + "gate_proj.weight", mlp_dim, hidden, canonical + "gate.kernel"),
+      _linear(prefix + "up_proj.weight", mlp_dim, hidden, canonical + "up.kernel"),
+      _linear(prefix + "down_proj.weight", hidden, mlp_dim, canonical + "down.kernel"),
+  ]
+  if bias:
+    recipes += [
+        _same(prefix + "gate_proj.bias", (mlp_dim,), canonical + "gate.bias"),
+        _same(prefix + "up_proj.bias", (mlp_dim,), canonical + "up.bias"),
+        _same(prefix + "down_proj.bias", (hidden,), canonical + "down.bias"),
+    ]
+  return recipes
+
+
+def _moe(cfg: Any, i: int, available: Collection[str]) -> list[Recipe]:
+  p, c = f"model.layers.{i}.mlp.", f"layers.{i}.moe."
+  d, e, fe, fs = cfg.base_emb_dim, cfg.num_experts, cfg.base_moe_mlp_dim, cfg.shared_expert_mlp_dim
+  recipes = [_linear(p + "gate.weight", e, d, c + "router.kernel")]
+  if p + "experts.gate_up_proj" in available:
+    recipes += [
+        _fused_gate_up(p + "experts.gate_up_proj", e, fe, d, c + "gate", c + "up"),
+        _fused_down(p + "experts.down_proj", e, fe, d, c + "down"),
+    ]
+  else:
+    experts = [f"{p}experts.{j}." for j in range(e)]
+    recipes += [
+        _stacked([x + "gate_proj.weight" for x in experts], fe, d, c + "gate"),
+        _stacked([x + "up_proj.weight" for x in experts], fe, d, c + "up"),
+        _stacked([x + "down_proj.weight" for x in experts], d, fe, c + "down"),
+    ]
+  if fs > 0:
+    recipes += _dense_mlp(p + "shared_expert.", c + "shared.", d, fs, False)
+    recipes.append(_linear(p + "shared_expert_gate.weight", 1, d, c + "shared_gate.kernel"))
+  return recipes
+
+
+def build_recipes(cfg: Any, available: Collection[str] = ()) -> list[Recipe]:
+  """Every recipe of a model config, in layer order.
+
+  Args:
+    cfg: a loaded config (`maxtext.configs.load_config`), with derived values.
+    available: normalised names present in the checkpoint (selects the per-expert or fused MoE layout).
+
+  Returns:
+    The recipes; together their targets are every canonical parameter of the model.
+
+  Raises:
+    NotImplementedError: the config asks for a layout no Hugging Face checkpoint of these families has.
+  """
+  d, v = cfg.base_emb_dim, cfg.vocab_size
+  recipes = [_same("model.embed_tokens.weight", (v, d), "embedder.embedding")]
+  for i, kind in enumerate(cfg.layer_types):
+    p, c = f"model.layers.{i}.", f"layers.{i}."
+    recipes.append(_same(p + "input_layernorm.weight", (d,), c + "input_norm.scale"))
+    if cfg.use_sandwich_norm:
+      recipes += [
+          _same(p + "post_attention_layernorm.weight", (d,), c + "post_attn_norm.scale"),
+          _same(p + "pre_feedforward_layernorm.weight", (d,), c + "pre_mlp_norm.scale"),
+          _same(p + "post_feedforward_layernorm.weight", (d,), c + "post_mlp_norm.scale"),
+      ]
+    else:
+      recipes.append(_same(p + "post_attention_layernorm.weight", (d,), c + "pre_mlp_norm.scale"))
+    recipes += _gated_delta_net(cfg, i) if kind == "linear_attention" else _attention(cfg, i)
+    if cfg.moe_layers[i]:
+      recipes += _moe(cfg, i, available)
+    else:
+      recipes += _dense_mlp(p + "mlp.", c + "mlp.", d, cfg.base_mlp_dim, cfg.mlp_bias)
+  recipes.append(_same("model.norm.weight", (d,), "final_norm.scale"))
+  if not cfg.logits_via_embedding:
+    recipes.append(_linear("lm_head.weight", v, d, "lm_head.kernel"))
+  return recipes

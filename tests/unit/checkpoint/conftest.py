@@ -1,0 +1,168 @@
+"""Tiny random Hugging Face checkpoints of every supported family, written by transformers' save_pretrained.
+
+`hf_checkpoint(case, **save_kwargs)` builds the model (float32, seeded), adds seeded noise to every 1-D parameter
+(norm weights, A_log, dt_bias, biases; transformers initialises (1+w) norm weights to exactly 0), saves it to a
+session-wide temp folder and returns (folder, torch model). Sizes follow /work/shared/hf-architectures.md. Needs
+torch and transformers (tests using it are marked `hf`).
+"""
+
+import json
+import pathlib
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+LIN, FULL, SLIDE = "linear_attention", "full_attention", "sliding_attention"
+_GDN = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 24,
+    "linear_conv_kernel_dim": 4,
+}
+_COMMON = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.05,
+}
+_HYBRID = dict(_COMMON, **_GDN, num_hidden_layers=8, layer_types=[LIN, LIN, LIN, FULL] * 2)
+_HYBRID_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 64}
+
+# case name -> (transformers model_type, config kwargs)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": (
+        "llama",
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            initializer_range=0.2,
+            rms_norm_eps=1e-5,
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            max_position_embeddings=256,
+        ),
+    ),
+    "qwen3_tied": (
+        "qwen3",
+        dict(_COMMON, num_hidden_layers=3, initializer_range=0.2, attention_bias=True, tie_word_embeddings=True),
+    ),
+    "qwen3_untied": ("qwen3", dict(_COMMON, num_hidden_layers=2, initializer_range=0.2, tie_word_embeddings=False)),
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            _COMMON,
+            hidden_size=96,
+            intermediate_size=192,
+            num_hidden_layers=6,
+            layer_types=[SLIDE, SLIDE, FULL] * 2,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    ),
+    "gemma3_softcap": (
+        "gemma3_text",
+        dict(
+            _COMMON,
+            hidden_size=96,
+            intermediate_size=192,
+            num_hidden_layers=4,
+            layer_types=[SLIDE, FULL, SLIDE, FULL],
+            sliding_window=3,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=2.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3_next_moe": (
+        "qwen3_next",
+        dict(_HYBRID, **_MOE, norm_topk_prob=False, mlp_only_layers=[1], rope_parameters=_HYBRID_ROPE),
+    ),
+    "qwen3_next_dense": ("qwen3_next", dict(_HYBRID, num_experts=0, rope_parameters=_HYBRID_ROPE)),
+    "qwen3_5": ("qwen3_5_text", dict(_HYBRID, rope_parameters=_HYBRID_ROPE)),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(_HYBRID, **_MOE, rope_parameters=_HYBRID_ROPE)),
+}
+
+
+def build_hf_model(case: str, seed: int = 0) -> Any:
+  """A tiny float32 transformers causal LM of `case`, with seeded noise on its 1-D parameters."""
+  # pylint: disable=import-outside-toplevel  # torch/transformers are optional test dependencies (hf marker)
+  import torch
+  import transformers
+
+  model_type, kwargs = CASES[case]
+  config = transformers.AutoConfig.for_model(model_type, **kwargs)
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+  generator = torch.Generator().manual_seed(seed + 1)
+  with torch.no_grad():
+    for param in model.parameters():
+      if param.ndim == 1:
+        param.add_(0.1 * torch.randn(param.shape, generator=generator))
+  return model.eval()
+
+
+def _rewrite_checkpoint(folder: pathlib.Path, out: pathlib.Path, rename=None, drop=(), add=None, config=None) -> None:
+  """Copies a single-file checkpoint, renaming / dropping / adding tensors and replacing config.json."""
+  tensors = load_file(str(folder / "model.safetensors"))
+  rename = rename or (lambda name: name)
+  new = {rename(name): value for name, value in tensors.items() if name not in drop}
+  new.update(add or {})
+  out.mkdir(parents=True, exist_ok=True)
+  save_file(new, str(out / "model.safetensors"))
+  raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+  (out / "config.json").write_text(json.dumps(config(raw) if config else raw), encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+  """`make(case, **save_kwargs) -> (folder, torch model)`, cached per session."""
+  cache: dict[tuple, tuple[pathlib.Path, Any]] = {}
+
+  def make(case: str, **save_kwargs: Any) -> tuple[pathlib.Path, Any]:
+    key = (case, tuple(sorted(save_kwargs.items())))
+    if key not in cache:
+      model = build_hf_model(case)
+      folder = tmp_path_factory.mktemp(case)
+      model.save_pretrained(str(folder), **save_kwargs)
+      cache[key] = (folder, model)
+    return cache[key]
+
+  return make
+
+
+@pytest.fixture
+def rewrite_checkpoint():
+  """`rewrite(folder, out, rename=None, drop=(), add=None, config=None)`: a modified copy of a checkpoint."""
+  return _rewrite_checkpoint
+
+
+@pytest.fixture
+def random_tokens():
+  """`make(length, seed=0) -> [1, length] int32` random ids below vocab 512."""
+
+  def make(length: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 512, size=(1, length), dtype=np.int32)
+
+  return make

@@ -1,0 +1,192 @@
+"""The reference runner's step loop: schedule, allocate, build metadata, run the jitted model, sample.
+
+One step, as tpu-inference does it (design.md, "Data flow of one step"): the scheduler picks requests and token
+counts; the KV-cache manager allocates blocks per KV-cache group and recurrent state slots; the batch builder makes
+one `AttentionMetadata` per group; `jit(model.__call__)` runs with the caches donated and the layer map static;
+`compute_logits` runs on each request's last hidden state; the sampler picks tokens; the scheduler appends them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from maxtext.inference.batch import BatchInputs, build_batch
+from maxtext.inference.kv_cache_manager import KVCacheManager
+from maxtext.inference.request import Request
+from maxtext.inference.sampler import Sampler, TokenLogprobs
+from maxtext.inference.sampling_params import SamplingParams
+from maxtext.inference.scheduler import Scheduler
+from maxtext.inference.vllm_config import vllm_config_from_maxtext
+from maxtext.integration.vllm import kv_cache_spec
+from maxtext.integration.vllm.adapter import MaxTextForCausalLM
+from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters of one engine's life (reported by the CLI's JSON output)."""
+
+  steps: int = 0
+  step_traces: int = 0
+  prompt_tokens: int = 0
+  generated_tokens: int = 0
+  scheduled_tokens: int = 0
+  preemptions: int = 0
+  wall_time_s: float = 0.0
+
+  def as_dict(self) -> dict[str, Any]:
+    """Plain dict, with generated tokens per second of wall time."""
+    out = dataclasses.asdict(self)
+    out["generated_tokens_per_s"] = self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+    return out
+
+
+@dataclasses.dataclass
+class FinishedRequest:
+  """A finished request's tokens, logprobs and finish reason."""
+
+  request_id: str
+  prompt_token_ids: tuple[int, ...]
+  output_token_ids: tuple[int, ...]
+  logprobs: tuple[TokenLogprobs, ...] | None
+  finish_reason: str
+
+
+def _to_device(value: Any) -> Any:
+  return None if value is None else jnp.asarray(value)
+
+
+def make_attention_metadata(batch: BatchInputs) -> AttentionMetadata | GroupedAttentionMetadata:
+  """The step's metadata: one `AttentionMetadata`, or a grouped mapping when there is more than one group."""
+  groups = [
+      AttentionMetadata(**{k: v if k == "padded_num_reqs" else _to_device(v) for k, v in fields.items()})
+      for fields in batch.metadata_fields()
+  ]
+  if len(groups) == 1:
+    return groups[0]
+  return GroupedAttentionMetadata(groups, batch.layer_names_per_group)
+
+
+class LLMEngine:
+  """Runs requests to completion with continuous batching over the adapter, like tpu-inference's runner."""
+
+  def __init__(self, cfg: ml_collections.FrozenConfigDict, *, eos_token_id: int | None = None):
+    self.cfg = cfg
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[: cfg.ici_tensor_parallelism]), ("model",))
+    self.model = MaxTextForCausalLM(vllm_config_from_maxtext(cfg), jax.random.key(cfg.init_seed), mesh)
+    if not self.model.is_dummy:
+      self.model.load_weights(jax.random.key(cfg.init_seed))
+    self.manager = KVCacheManager(
+        cfg, kv_cache_spec.get_kv_cache_specs(cfg), kv_cache_spec.get_shared_kv_cache_layers(cfg)
+    )
+    self.kv_caches = self.manager.allocate_caches()
+    self.layer_map = self.manager.layer_name_to_kvcache_index
+    self.recurrent_slots = tuple(i for i, c in enumerate(self.kv_caches) if isinstance(c, tuple))
+    self.scheduler = Scheduler(cfg, self.manager, eos_token_id=eos_token_id)
+    self.sampler = Sampler(cfg.seed)
+    self.stats = EngineStats()
+    self._logprobs: dict[str, list[TokenLogprobs]] = {}
+    self._next_id = 0
+    graphdef, self.state = nnx.split(self.model)
+
+    def step(state, kv_caches, input_ids, attention_metadata, input_positions, layer_map):
+      self.stats.step_traces += 1  # Python side effect: runs once per trace, i.e. per compilation.
+      model = nnx.merge(graphdef, state)
+      kv_caches, hidden, _, _ = model(
+          kv_caches, input_ids, attention_metadata, None, input_positions, layer_map, None, None, True, True
+      )
+      return kv_caches, hidden
+
+    def logits(state, hidden, logits_indices):
+      return nnx.merge(graphdef, state).compute_logits(hidden[logits_indices])
+
+    # The runner's settings: kv_caches donated, the layer map static.
+    self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(5,))
+    self._logits = jax.jit(logits)
+
+  def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
+    """Queues a request; returns its id."""
+    rid = request_id if request_id is not None else str(self._next_id)
+    self._next_id += 1
+    self.scheduler.add_request(Request(rid, list(prompt_token_ids), params))
+    if params.logprobs is not None:
+      self._logprobs[rid] = []
+    self.stats.prompt_tokens += len(prompt_token_ids)
+    return rid
+
+  def _zero_slots(self, slots: Sequence[int]) -> None:
+    if not slots:
+      return
+    index = jnp.asarray(slots, jnp.int32)
+    for s in self.recurrent_slots:
+      conv, rec = self.kv_caches[s]
+      self.kv_caches[s] = (conv.at[index].set(0), rec.at[index].set(0))
+
+  def step(self) -> list[FinishedRequest]:
+    """Runs one model step; returns the requests that finished in it."""
+    start = time.perf_counter()
+    out = self.scheduler.schedule()
+    self.stats.preemptions += len(out.preempted_request_ids)
+    self._zero_slots(out.slots_to_zero)
+    if out.is_empty:
+      return []
+    batch = build_batch(self.cfg, out, self.manager)
+    metadata = make_attention_metadata(batch)
+    input_ids = jnp.asarray(batch.input_ids)
+    self.kv_caches, hidden = self._step(
+        self.state, self.kv_caches, input_ids, metadata, metadata_positions(metadata), self.layer_map
+    )
+    sampled: dict[str, int] = {}
+    if out.sampling_request_ids:
+      logits = np.asarray(self._logits(self.state, hidden, jnp.asarray(batch.logits_indices)))
+      rows = [batch.request_ids.index(rid) for rid in out.sampling_request_ids]
+      requests = {e.request.request_id: e.request for e in out.scheduled}
+      params = [requests[rid].sampling_params for rid in out.sampling_request_ids]
+      steps = [len(requests[rid].output_token_ids) for rid in out.sampling_request_ids]
+      result = self.sampler.sample(logits[rows], params, steps)
+      for rid, token, logprob in zip(out.sampling_request_ids, result.token_ids, result.logprobs):
+        sampled[rid] = int(token)
+        if logprob is not None:
+          self._logprobs[rid].append(logprob)
+    finished = self.scheduler.update_from_output(out, sampled)
+    self.stats.steps += 1
+    self.stats.scheduled_tokens += out.num_scheduled_tokens
+    self.stats.generated_tokens += len(sampled)
+    self.stats.wall_time_s += time.perf_counter() - start
+    return [
+        FinishedRequest(
+            request_id=r.request_id,
+            prompt_token_ids=tuple(r.prompt_token_ids),
+            output_token_ids=tuple(r.output_token_ids),
+            logprobs=tuple(self._logprobs.pop(r.request_id)) if r.request_id in self._logprobs else None,
+            finish_reason=r.finish_reason,
+        )
+        for r in finished
+    ]
+
+  def has_unfinished_requests(self) -> bool:
+    """Whether any request is still waiting or running."""
+    return self.scheduler.has_unfinished_requests()
+
+  def all_free(self) -> bool:
+    """Leak check: every block and state slot is back in its pool."""
+    return self.manager.all_free()
+
+
+def metadata_positions(metadata: AttentionMetadata | GroupedAttentionMetadata) -> jax.Array:
+  """The positions array the runner passes positionally (the same array as in the metadata)."""
+  if isinstance(metadata, AttentionMetadata):
+    return metadata.input_positions
+  return metadata.groups[0].input_positions

@@ -1,0 +1,111 @@
+"""`LLM` and its outputs: an offline API shaped like vLLM's, over the reference runner."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from maxtext.checkpoint import load_run_config
+from maxtext.inference.engine import FinishedRequest, LLMEngine
+from maxtext.inference.sampler import TokenLogprobs
+from maxtext.inference.sampling_params import SamplingParams
+from maxtext.inference.tokenizer import tokenizer_from_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionOutput:
+  """One generated sequence."""
+
+  index: int
+  text: str
+  token_ids: tuple[int, ...]
+  logprobs: tuple[TokenLogprobs, ...] | None
+  finish_reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  """A finished request: its prompt and its completion(s)."""
+
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: tuple[int, ...]
+  outputs: tuple[CompletionOutput, ...]
+
+
+class LLM:
+  """Offline generation: `LLM(config_path, **overrides).generate(prompts, SamplingParams(...))`.
+
+  Args:
+    config_path: base YAML (default: the package's base.yml).
+    argv: extra `key=value` strings, as on the command line.
+    **overrides: config keys, e.g. `model_name="qwen3-next-tiny"`.
+  """
+
+  def __init__(self, config_path: str | None = None, *, argv: Sequence[str] = (), **overrides: Any):
+    self.cfg = load_run_config(([config_path] if config_path else []) + list(argv), **overrides)
+    self.tokenizer = tokenizer_from_config(self.cfg)
+    self.engine = LLMEngine(self.cfg, eos_token_id=self.tokenizer.eos_token_id)
+
+  def _prompt_ids(self, prompt: Any, index: int) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, str):
+      return prompt, self.tokenizer.encode(prompt, add_bos=True)
+    if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+      return None, list(prompt)
+    raise TypeError(f"prompts[{index}] must be a string or a list of token ids, got {type(prompt).__name__}")
+
+  def generate(
+      self,
+      prompts: str | Sequence[str] | Sequence[Sequence[int]],
+      sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+      *,
+      use_tqdm: bool = False,
+  ) -> list[RequestOutput]:
+    """Generates a completion for every prompt (strings or lists of token ids), in prompt order.
+
+    Raises:
+      TypeError: a prompt is neither a string nor a list of ints.
+      ValueError: a list of SamplingParams whose length is not the number of prompts, or a prompt the scheduler
+        rejects (too long, empty, token ids outside the vocabulary).
+    """
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+      prompts = [prompts]
+    if sampling_params is None:
+      sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+      sampling_params = [sampling_params] * len(prompts)
+    if len(sampling_params) != len(prompts):
+      raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; give one or one each")
+    texts: dict[str, str | None] = {}
+    order: list[str] = []
+    for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+      text, ids = self._prompt_ids(prompt, i)
+      rid = self.engine.add_request(ids, params)
+      texts[rid] = text
+      order.append(rid)
+    done: dict[str, FinishedRequest] = {}
+    total = sum(p.max_tokens for p in sampling_params)
+    with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=not use_tqdm) as progress:
+      while self.engine.has_unfinished_requests():
+        before = self.engine.stats.generated_tokens
+        for finished in self.engine.step():
+          done[finished.request_id] = finished
+        progress.update(self.engine.stats.generated_tokens - before)
+    return [self._output(done[rid], texts[rid]) for rid in order]
+
+  def _output(self, finished: FinishedRequest, prompt: str | None) -> RequestOutput:
+    completion = CompletionOutput(
+        index=0,
+        text=self.tokenizer.decode(finished.output_token_ids),
+        token_ids=finished.output_token_ids,
+        logprobs=finished.logprobs,
+        finish_reason=finished.finish_reason,
+    )
+    return RequestOutput(finished.request_id, prompt, finished.prompt_token_ids, (completion,))

@@ -1,0 +1,188 @@
+"""`MaxTextForCausalLM`: this package's model behind tpu-inference's positional calling contract.
+
+The runner builds the class as `cls(vllm_config, rng_key, mesh)` and calls, inside `jax.jit` with `kv_caches`
+donated and the map static,
+
+    __call__(kv_caches, input_ids, attention_metadata, inputs_embeds, input_positions,
+             layer_name_to_kvcache_index, lora_metadata, intermediate_tensors, is_first_rank, is_last_rank)
+
+returning `(kv_caches, hidden [T, D], aux_hidden_states, expert_indices)` (contract.md section 1). The physical
+`kv_caches` list is in the runner's order; the map says which slot each `layer.<i>` uses. Resolution, gathering and
+scattering are plain Python over traced values (`hybrid_cache_utils`), so the remap adds no XLA operation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from maxtext.checkpoint import load_model, load_run_config
+from maxtext.integration.vllm import hybrid_cache_utils, kv_cache_spec
+from maxtext.kernels.attention_metadata import AttentionMetadata, metadata_for_layer, normalize_positions
+from maxtext.models import Transformer, abstract_model
+
+logger = logging.getLogger(__name__)
+
+MAXTEXT_CONFIG_KEY = "maxtext_config"
+DUMMY_LOAD_FORMAT = "dummy"
+
+
+def _attr(obj: Any, path: str, default: Any = None) -> Any:
+  """Reads a dotted attribute path of a vllm_config-like object; missing parts give `default`."""
+  for part in path.split("."):
+    if obj is None or not hasattr(obj, part):
+      return default
+    obj = getattr(obj, part)
+  return obj
+
+
+def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDict:
+  """Builds this package's config from a vLLM config, read by attribute only.
+
+  `additional_config["maxtext_config"]` holds config overrides (`model_name`, `hf_model_path`, ...). The cache
+  block size and dtype come from `cache_config` unless overridden; `load_format == "dummy"` means random weights,
+  so `load_parameters_path` and `hf_model_path` are cleared.
+
+  Raises:
+    TypeError: `additional_config` or its `maxtext_config` entry is not a mapping.
+    ConfigError: the overrides do not form a valid config.
+  """
+  additional = _attr(vllm_config, "additional_config") or {}
+  if not isinstance(additional, Mapping):
+    raise TypeError(f"vllm_config.additional_config must be a mapping, got {type(additional).__name__}")
+  overrides = additional.get(MAXTEXT_CONFIG_KEY) or {}
+  if not isinstance(overrides, Mapping):
+    raise TypeError(
+        f"vllm_config.additional_config[{MAXTEXT_CONFIG_KEY!r}] must be a mapping of config keys, "
+        f"got {type(overrides).__name__}"
+    )
+  overrides = dict(overrides)
+  block_size = _attr(vllm_config, "cache_config.block_size")
+  if block_size is not None and "block_size" not in overrides:
+    overrides["block_size"] = int(block_size)
+  cache_dtype = _attr(vllm_config, "cache_config.cache_dtype")
+  if cache_dtype not in (None, "auto") and "kv_cache_dtype" not in overrides:
+    overrides["kv_cache_dtype"] = str(cache_dtype)
+  if _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT:
+    overrides["load_parameters_path"] = ""
+    overrides["hf_model_path"] = ""
+  return load_run_config(**overrides)
+
+
+class MaxTextForCausalLM(nnx.Module):
+  """The runner-facing model: resolves the cache map, runs the paged decoder, returns the runner's 4-tuple."""
+
+  def __init__(self, vllm_config: Any, rng_key: jax.Array, mesh: jax.sharding.Mesh | None = None):
+    self.vllm_config = vllm_config
+    self.mesh = mesh
+    self.cfg = maxtext_config_from_vllm(vllm_config)
+    self.num_layers = self.cfg.base_num_decoder_layers
+    self.layer_specs = tuple(kv_cache_spec.get_layer_spec(self.cfg, i) for i in range(self.num_layers))
+    self.is_dummy = _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT
+    if self.is_dummy:
+      # With dummy weights the runner never calls load_weights; upstream MaxText initialises here too.
+      self.load_weights(rng_key)
+    else:
+      self.model = abstract_model(self.cfg)
+
+  def load_weights(self, rng_key: jax.Array) -> None:
+    """Creates the parameters: random from `rng_key` (dummy), else from `load_parameters_path` or `hf_model_path`.
+
+    Raises:
+      ValueError: real weights were asked for but neither checkpoint source is configured.
+    """
+    cfg = self.cfg
+    if self.is_dummy:
+      self.model = Transformer(cfg, rngs=nnx.Rngs(params=rng_key))
+      return
+    if not (cfg.load_parameters_path or cfg.hf_model_path):
+      raise ValueError(
+          "load_format is not 'dummy' but neither load_parameters_path (Orbax) nor hf_model_path is set in"
+          " additional_config['maxtext_config']"
+      )
+    self.model = load_model(cfg)
+
+  # The runner's positional contract fixes this signature (keywords with defaults, then *args): see contract.md.
+  def __call__(  # pylint: disable=arguments-differ,keyword-arg-before-vararg
+      self,
+      kv_caches: list[Any],
+      input_ids: jax.Array | None,
+      attention_metadata: AttentionMetadata | Mapping[str, AttentionMetadata],
+      inputs_embeds: jax.Array | None = None,
+      input_positions: jax.Array | None = None,
+      layer_name_to_kvcache_index: Any = None,
+      *args: Any,
+      **kwargs: Any,
+  ) -> tuple[list[Any], jax.Array, list[jax.Array], None]:
+    """One runner step over a flat ragged batch.
+
+    Args:
+      kv_caches: the runner's physical cache list (donated): attention arrays `[N, bs, 2Hkv/pk, pk, Dpad]` and
+        recurrent `(conv [M, K-1, C], state [M, nv, dk, dv])` tuples.
+      input_ids: `[T]` int32 token ids, padded with 0 (None when `inputs_embeds` is given).
+      attention_metadata: one `AttentionMetadata`, or `{layer_name: AttentionMetadata}` per KV-cache group.
+      inputs_embeds: `[T, D]` embeddings instead of `input_ids` (multimodal), or None.
+      input_positions: `[T]` (or `[3, T]`), the same array as the metadata's `input_positions`; the metadata's
+        copy is the one used, this one must agree in shape.
+      layer_name_to_kvcache_index: static `(("layer.<i>", slot), ...)` (or a mapping).
+      *args: lora_metadata, intermediate_tensors, is_first_rank, is_last_rank: accepted and ignored (no LoRA,
+        no pipeline parallelism).
+      **kwargs: accepted and ignored (the runner adds keywords over time).
+
+    Returns:
+      `(kv_caches in the runner's order, hidden [T, D], [], None)`.
+
+    Raises:
+      ValueError / TypeError: a bad map, a slot that does not hold what its layer needs, or inconsistent inputs.
+    """
+    del args, kwargs  # Positional extras of the runner's contract that this model does not use.
+    if layer_name_to_kvcache_index is None:
+      raise ValueError(
+          "layer_name_to_kvcache_index is required: the runner's kv_caches order is not the layer order "
+          f"(pass (('layer.0', slot), ...) for all {self.num_layers} layers)"
+      )
+    layer_indices = hybrid_cache_utils.resolve_layer_kv_cache_indices(
+        layer_name_to_kvcache_index, self.num_layers, len(kv_caches)
+    )
+    layer_caches = hybrid_cache_utils.gather_layer_kv_caches(kv_caches, layer_indices)
+    for i, (spec, cache) in enumerate(zip(self.layer_specs, layer_caches)):
+      kv_cache_spec.validate_layer_cache(hybrid_cache_utils.layer_name(i), spec, cache, layer_indices[i])
+    layer_metadata = [
+        metadata_for_layer(attention_metadata, hybrid_cache_utils.layer_name(i)) for i in range(self.num_layers)
+    ]
+    positions = normalize_positions(layer_metadata[0].input_positions) if layer_metadata else None
+    if input_positions is not None and positions is not None:
+      if tuple(input_positions.shape) != tuple(layer_metadata[0].input_positions.shape):
+        raise ValueError(
+            f"input_positions has shape {tuple(input_positions.shape)} but attention_metadata.input_positions has "
+            f"{tuple(layer_metadata[0].input_positions.shape)}; the runner passes the same array twice"
+        )
+    if inputs_embeds is None:
+      if input_ids is None:
+        raise ValueError("one of input_ids [T] or inputs_embeds [T, D] must be given")
+      x = self.model.embed(input_ids)
+    else:
+      x = jnp.asarray(inputs_embeds, self.model.dtype)
+    if positions is not None and positions.shape[0] != x.shape[0]:
+      raise ValueError(f"positions cover {positions.shape[0]} tokens but the batch has {x.shape[0]} tokens")
+    hidden, new_layer_caches = self.model.forward_paged(x, positions, layer_caches, layer_metadata)
+    new_kv_caches = hybrid_cache_utils.scatter_layer_kv_caches(kv_caches, new_layer_caches, layer_indices)
+    return new_kv_caches, hidden.reshape(-1, hidden.shape[-1]), [], None
+
+  def compute_logits(self, hidden_states: jax.Array) -> jax.Array:
+    """Logits `[R, V]` of hidden states `[R, D]` (already gathered at each request's last token)."""
+    return self.model.compute_logits(hidden_states)
+
+  def embed_input_ids(self, input_ids: jax.Array) -> jax.Array:
+    """Token embeddings `[T, D]` of `input_ids` `[T]`."""
+    return self.model.embed(input_ids)
+
+  def get_input_embeddings(self) -> jax.Array:
+    """The token embedding table `[V, D]`."""
+    return self.model.embedder.embedding.value

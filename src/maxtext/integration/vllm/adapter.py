@@ -185,4 +185,4 @@ class MaxTextForCausalLM(nnx.Module):
 
   def get_input_embeddings(self) -> jax.Array:
     """The token embedding table `[V, D]`."""
-    return self.model.embedder.embedding.value
+    return self.model.embedder.embedding[...]

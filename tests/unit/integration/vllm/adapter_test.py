@@ -1,0 +1,204 @@
+"""MaxTextForCausalLM under the runner's contract: positional call in jit, donated caches, static map."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxtext.configs import ConfigError, load_config
+from maxtext.inference.vllm_config import CacheConfig, LoadConfig, ReferenceVllmConfig, vllm_config_from_maxtext
+from maxtext.integration.vllm import kv_cache_spec
+from maxtext.integration.vllm.adapter import MaxTextForCausalLM, maxtext_config_from_vllm
+from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
+
+MAX_REQS = 8
+NUM_BLOCKS = 8
+
+
+def _model(name="qwen3.5-tiny", **overrides):
+  cfg = load_config(model_name=name, block_size=4, **overrides)
+  return MaxTextForCausalLM(vllm_config_from_maxtext(cfg), jax.random.key(0), None)
+
+
+def _hybrid_layout(cfg):
+  """Recurrent slots first, then attention slots (tpu-inference's order); returns (caches, map)."""
+  kinds = cfg.layer_types
+  order = [i for i, k in enumerate(kinds) if k == "linear_attention"] + [
+      i for i, k in enumerate(kinds) if k != "linear_attention"
+  ]
+  caches, pairs = [], []
+  for slot, layer in enumerate(order):
+    spec = kv_cache_spec.get_layer_spec(cfg, layer)
+    if isinstance(spec, kv_cache_spec.RecurrentSpec):
+      conv, rec = spec.cache_shapes(MAX_REQS + 1)
+      caches.append((jnp.zeros(conv, spec.conv_dtype), jnp.zeros(rec, "float32")))
+    else:
+      caches.append(jnp.zeros(spec.cache_shape(NUM_BLOCKS), spec.dtype))
+    pairs.append((f"layer.{layer}", slot))
+  return caches, tuple(sorted(pairs, key=lambda p: int(p[0].split(".")[1])))
+
+
+def _metadata(cfg, tokens):
+  t = len(tokens)
+  md = AttentionMetadata(
+      input_positions=jnp.arange(t, dtype=jnp.int32),
+      block_tables=jnp.asarray(np.arange(1, 1 + MAX_REQS * NUM_BLOCKS) % NUM_BLOCKS, jnp.int32),
+      seq_lens=jnp.asarray([t] + [0] * (MAX_REQS - 1), jnp.int32),
+      query_start_loc=jnp.asarray([0] + [t] * MAX_REQS, jnp.int32),
+      request_distribution=jnp.asarray([0, 0, 1], jnp.int32),
+      mamba_state_indices=jnp.asarray([1] + [0] * (MAX_REQS - 1), jnp.int32),
+      padded_num_reqs=MAX_REQS,
+  )
+  names = [f"layer.{i}" for i in range(cfg.base_num_decoder_layers)]
+  return GroupedAttentionMetadata([md], [names])
+
+
+def _runner_step(model):
+  """The runner's jit: state leaves first, kv_caches donated, the map (and the rank flags) static."""
+  graphdef, state = nnx.split(model)
+  traces = []
+
+  def run(state, kv_caches, input_ids, md, inputs_embeds, positions, layer_map, lora, inter, first, last):
+    traces.append(layer_map)
+    m = nnx.merge(graphdef, state)
+    return m(kv_caches, input_ids, md, inputs_embeds, positions, layer_map, lora, inter, first, last)
+
+  jitted = jax.jit(run, donate_argnums=1, static_argnums=(6, 9, 10))
+
+  def call(kv_caches, input_ids, md, layer_map, inputs_embeds=None):
+    return jitted(
+        state, kv_caches, input_ids, md, inputs_embeds, md.groups[0].input_positions, layer_map, None, None, True, True
+    )
+
+  return call, traces
+
+
+def test_runner_call_returns_the_contract_tuple_and_matches_the_dense_forward():
+  model = _model()
+  cfg = model.cfg
+  caches, layer_map = _hybrid_layout(cfg)
+  tokens = jnp.asarray([5, 9, 200, 17, 3, 44, 81], jnp.int32)
+  call, _ = _runner_step(model)
+  new_caches, hidden, aux, experts = call(caches, tokens, _metadata(cfg, tokens), layer_map)
+  assert aux == [] and experts is None
+  assert hidden.shape == (7, cfg.base_emb_dim) and len(new_caches) == len(caches)
+  for old, new in zip(caches, new_caches):
+    assert jax.tree_util.tree_structure(old) == jax.tree_util.tree_structure(new)
+  logits = model.compute_logits(hidden)
+  dense = model.model(tokens[None], gdn_chunked=False)[0]
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(dense), atol=1e-3, rtol=0)
+  # Donated: the runner's buffers were consumed by the step.
+  assert all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(caches))
+
+
+def test_same_map_compiles_once_and_a_reordered_map_retraces():
+  model = _model()
+  cfg = model.cfg
+  caches, layer_map = _hybrid_layout(cfg)
+  tokens = jnp.asarray([5, 9, 200], jnp.int32)
+  call, traces = _runner_step(model)
+  call(caches, tokens, _metadata(cfg, tokens), layer_map)
+  call(_hybrid_layout(cfg)[0], tokens, _metadata(cfg, tokens), layer_map)
+  assert len(traces) == 1
+  # Same slots, listed in another order: a different static value, so a new trace, same results.
+  call(_hybrid_layout(cfg)[0], tokens, _metadata(cfg, tokens), tuple(reversed(layer_map)))
+  assert len(traces) == 2
+
+
+@pytest.mark.parametrize(
+    "mutate, error, message",
+    [
+        (lambda m: m[:-1], ValueError, r"1 of 8 layers are missing: layer\.7"),
+        (lambda m: m[:3] + m[4:], ValueError, r"layers are missing: layer\.3"),
+        (lambda m: (("layer.0", 99),) + m[1:], ValueError, r"kv_caches index of layer\.0 must be in \[0, 8\)"),
+        (
+            lambda m: tuple((n, 0) if n == "layer.3" else (n, s) for n, s in m),
+            ValueError,
+            r"layer\.3 is a full_attention layer and needs a paged KV cache .* but kv_caches\[0\] holds a recurrent"
+            r" state",
+        ),
+        (
+            lambda m: tuple((n, 7) if n == "layer.0" else (n, s) for n, s in m),
+            ValueError,
+            r"layer\.0 is a linear_attention layer and needs a recurrent state .* but kv_caches\[7\] holds an array",
+        ),
+    ],
+)
+def test_wrong_maps_fail_clearly_inside_jit(mutate, error, message):
+  model = _model()
+  cfg = model.cfg
+  caches, layer_map = _hybrid_layout(cfg)
+  tokens = jnp.asarray([5, 9], jnp.int32)
+  call, _ = _runner_step(model)
+  with pytest.raises(error, match=message):
+    call(caches, tokens, _metadata(cfg, tokens), mutate(layer_map))
+
+
+def test_input_checks():
+  model = _model("llama-tiny")
+  cfg = model.cfg
+  caches, layer_map = _hybrid_layout(cfg)
+  tokens = jnp.asarray([5, 9, 4], jnp.int32)
+  md = _metadata(cfg, tokens)
+  with pytest.raises(ValueError, match="layer_name_to_kvcache_index is required"):
+    model(caches, tokens, md)
+  with pytest.raises(ValueError, match=r"input_positions has shape \(4,\) but attention_metadata.input_positions"):
+    model(caches, tokens, md, None, jnp.arange(4), layer_map)
+  with pytest.raises(ValueError, match="one of input_ids"):
+    model(caches, None, md, None, None, layer_map)
+  with pytest.raises(ValueError, match=r"positions cover 3 tokens but the batch has 2 tokens"):
+    model(caches, tokens[:2], md, None, None, layer_map)
+  # inputs_embeds replace input_ids; unknown runner keywords are accepted and ignored.
+  _, from_ids, _, _ = model(_hybrid_layout(cfg)[0], tokens, md, None, None, layer_map, spec_step_idx=0)
+  embeds = model.embed_input_ids(tokens)
+  _, from_embeds, _, _ = model(_hybrid_layout(cfg)[0], None, md, embeds, None, layer_map)
+  np.testing.assert_allclose(np.asarray(from_ids), np.asarray(from_embeds), atol=1e-6)
+  assert model.get_input_embeddings().shape == (cfg.vocab_size, cfg.base_emb_dim)
+
+
+def test_config_from_vllm_config_attributes():
+  base = vllm_config_from_maxtext(load_config(model_name="llama-tiny"))
+  vllm = dataclasses.replace(
+      base,
+      cache_config=CacheConfig(block_size=8, cache_dtype="bfloat16"),
+      additional_config={"maxtext_config": {"model_name": "llama-tiny"}},
+  )
+  cfg = maxtext_config_from_vllm(vllm)
+  assert cfg.block_size == 8 and cfg.kv_cache_dtype == "bfloat16" and cfg.model_name == "llama-tiny"
+  # Keys given in maxtext_config win over the cache config.
+  assert (
+      maxtext_config_from_vllm(
+          dataclasses.replace(vllm, additional_config={"maxtext_config": {"block_size": 32}})
+      ).block_size
+      == 32
+  )
+  assert maxtext_config_from_vllm(object()).model_name == "default"  # nothing set: base.yml defaults
+  with pytest.raises(TypeError, match="additional_config must be a mapping"):
+    maxtext_config_from_vllm(dataclasses.replace(base, additional_config=[1]))
+  with pytest.raises(TypeError, match=r"additional_config\['maxtext_config'\] must be a mapping"):
+    maxtext_config_from_vllm(dataclasses.replace(base, additional_config={"maxtext_config": "x"}))
+  with pytest.raises(ConfigError, match="unknown config key 'nope'"):
+    maxtext_config_from_vllm(dataclasses.replace(base, additional_config={"maxtext_config": {"nope": 1}}))
+  dummy = dataclasses.replace(
+      base,
+      load_config=LoadConfig("dummy"),
+      additional_config={"maxtext_config": {"model_name": "llama-tiny", "load_parameters_path": "/x"}},
+  )
+  assert maxtext_config_from_vllm(dummy).load_parameters_path == ""
+
+
+def test_real_weights_need_a_source():
+  vllm = ReferenceVllmConfig(
+      model_config=None,
+      load_config=LoadConfig("auto"),
+      cache_config=CacheConfig(),
+      sharding_config=None,
+      additional_config={"maxtext_config": {"model_name": "llama-tiny"}},
+  )
+  model = MaxTextForCausalLM(vllm, jax.random.key(0), None)
+  assert not model.is_dummy
+  with pytest.raises(ValueError, match="neither load_parameters_path .* nor hf_model_path is set"):
+    model.load_weights(jax.random.key(0))

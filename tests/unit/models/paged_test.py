@@ -294,3 +294,21 @@ def test_forward_paged_rejects_wrong_lengths():
     model.forward_paged(jnp.zeros((4, cfg.base_emb_dim)), jnp.zeros((4,), jnp.int32), [None], [None, None])
   with pytest.raises(ValueError, match=r"expects x \[T, D\] and positions \[T\]"):
     model.forward_paged(jnp.zeros((4, cfg.base_emb_dim)), jnp.zeros((5,), jnp.int32), [None] * 4, [None] * 4)
+
+
+def test_gdn_layer_needs_state_indices():
+  cfg, model = _model("qwen3.5-tiny")
+  layer = model.layers[0]
+  spec = kv_cache_spec.get_layer_spec(cfg, 0)
+  conv, rec = spec.cache_shapes(2)
+  md = AttentionMetadata(
+      input_positions=jnp.arange(2, dtype=jnp.int32),
+      block_tables=None,
+      seq_lens=jnp.asarray([2], jnp.int32),
+      query_start_loc=jnp.asarray([0, 2], jnp.int32),
+      request_distribution=jnp.asarray([0, 0, 1], jnp.int32),
+      padded_num_reqs=1,
+  )
+  state = (jnp.zeros(conv), jnp.zeros(rec))
+  with pytest.raises(ValueError, match="needs attention_metadata.mamba_state_indices"):
+    layer.paged(jnp.zeros((2, cfg.base_emb_dim)), jnp.arange(2), state, md)

@@ -202,3 +202,32 @@ def test_real_weights_need_a_source():
   assert not model.is_dummy
   with pytest.raises(ValueError, match="neither load_parameters_path .* nor hf_model_path is set"):
     model.load_weights(jax.random.key(0))
+
+
+def test_mrope_positions_are_normalised():
+  # Text-only MRoPE positions are three equal streams [3, T]; the adapter uses stream 0.
+  model = _model("llama-tiny")
+  cfg = model.cfg
+  tokens = jnp.asarray([5, 9, 4], jnp.int32)
+  md = _metadata(cfg, tokens)
+  flat = md.groups[0]
+  mrope = GroupedAttentionMetadata(
+      [
+          AttentionMetadata(
+              input_positions=jnp.stack([flat.input_positions] * 3),
+              block_tables=flat.block_tables,
+              seq_lens=flat.seq_lens,
+              query_start_loc=flat.query_start_loc,
+              request_distribution=flat.request_distribution,
+              mamba_state_indices=flat.mamba_state_indices,
+              padded_num_reqs=flat.padded_num_reqs,
+          )
+      ],
+      md.layer_names_per_group,
+  )
+  caches, layer_map = _hybrid_layout(cfg)
+  _, plain, _, _ = model(caches, tokens, md, None, None, layer_map)
+  _, from_mrope, _, _ = model(
+      _hybrid_layout(cfg)[0], tokens, mrope, None, jnp.stack([flat.input_positions] * 3), layer_map
+  )
+  np.testing.assert_array_equal(np.asarray(plain), np.asarray(from_mrope))

@@ -13,6 +13,7 @@ from maxtext.inference.vllm_config import CacheConfig, LoadConfig, ReferenceVllm
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM, maxtext_config_from_vllm
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
+from maxtext.testing.hlo import count_hlo_instructions, count_jaxpr_equations
 
 MAX_REQS = 8
 NUM_BLOCKS = 8
@@ -231,3 +232,33 @@ def test_mrope_positions_are_normalised():
       _hybrid_layout(cfg)[0], tokens, mrope, None, jnp.stack([flat.input_positions] * 3), layer_map
   )
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(from_mrope))
+
+
+@pytest.mark.slow
+def test_model_step_has_the_same_hlo_under_the_layer_order_and_the_hybrid_map():
+  """The remap is free in the compiled step: layer order vs recurrent-first gives identical op counts."""
+  model = _model()
+  cfg = model.cfg
+  tokens = jnp.asarray([5, 9, 200, 17], jnp.int32)
+  hybrid_caches, hybrid_map = _hybrid_layout(cfg)
+  by_layer = sorted(range(len(hybrid_caches)), key=lambda slot: int(dict(map(reversed, hybrid_map))[slot][6:]))
+  layer_caches = [hybrid_caches[slot] for slot in by_layer]
+  layer_map = tuple((f"layer.{i}", i) for i in range(cfg.base_num_decoder_layers))
+  graphdef, state = nnx.split(model)
+
+  def run(state, kv_caches, md, layer_map):
+    m = nnx.merge(graphdef, state)
+    return m(kv_caches, tokens, md, None, None, layer_map)[:2]
+
+  counts = []
+  for caches, lmap in ((layer_caches, layer_map), (hybrid_caches, hybrid_map)):
+    lowered = jax.jit(run, donate_argnums=1, static_argnums=3).lower(state, caches, _metadata(cfg, tokens), lmap)
+    counts.append(
+        (
+            count_jaxpr_equations(jax.make_jaxpr(run, static_argnums=3)(state, caches, _metadata(cfg, tokens), lmap)),
+            count_hlo_instructions(lowered.compile().as_text()),
+        )
+    )
+  assert hybrid_map != layer_map
+  print("jaxpr equations, HLO instructions (layer order, hybrid map):", counts)
+  assert counts[0] == counts[1], counts

@@ -1,0 +1,252 @@
+"""Tests of the offline `LLM` API from the outside: prompts in, tokens out, checked against the dense forward.
+
+The reference is the model's own full-sequence forward (`Transformer.__call__`) run greedily over a padded
+buffer, with float64 log-softmax rows for logprobs: none of the runner's machinery (scheduler, paged caches,
+batching, sampler) is involved in it.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtext.inference import LLM, CompletionOutput, RequestOutput, SamplingParams
+
+EOS = 2  # the byte-level tokenizer's eos id
+BYTE_OFFSET = 3  # byte b is token b + 3 (0, 1, 2 are pad, bos, eos)
+PAD_TO = 32
+# The base config's tiny Llama (2 layers, vocab 512); small pools keep allocation cheap.
+OVERRIDES = {"max_target_length": 32, "num_kv_blocks": 32, "block_size": 4, "max_num_seqs": 4, "seed": 5}
+
+
+def _dense_greedy(model, prompt, max_tokens):
+  """(greedy tokens, float64 log-softmax row of every step) by repeated full-sequence forwards, stopping at eos.
+
+  The sequence is padded to PAD_TO after its last token; the forward is causal, so padding cannot change the
+  logits at the last real position.
+  """
+  forward = jax.jit(lambda tokens: model(tokens[None])[0])
+  tokens, out, rows = list(prompt), [], []
+  for _ in range(max_tokens):
+    padded = jnp.asarray(tokens + [0] * (PAD_TO - len(tokens)), jnp.int32)
+    logits = np.asarray(forward(padded)[len(tokens) - 1], np.float64)
+    shifted = logits - logits.max()
+    rows.append(shifted - np.log(np.exp(shifted).sum()))
+    token = int(np.argmax(logits))
+    out.append(token)
+    tokens.append(token)
+    if token == EOS:
+      break
+  return out, rows
+
+
+def _byte_ids(text, bos=True):
+  return ([1] if bos else []) + [b + BYTE_OFFSET for b in text.encode("utf-8")]
+
+
+def _tokens(outputs):
+  return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(name="llm", scope="module")
+def fixture_llm():
+  """One engine shared by the tests that do not read its counters."""
+  return LLM(**OVERRIDES)
+
+
+@pytest.fixture(name="greedy", scope="module")
+def fixture_greedy(llm):
+  """`greedy(prompt_ids, max_tokens) -> (tokens, logprob rows)` over the shared engine's model, cached."""
+  cache = {}
+
+  def greedy(prompt, max_tokens):
+    key = (tuple(prompt), max_tokens)
+    if key not in cache:
+      cache[key] = _dense_greedy(llm.engine.model.model, prompt, max_tokens)
+    return cache[key]
+
+  return greedy
+
+
+def test_a_string_prompt_is_byte_encoded_with_bos_and_decoded_greedily(llm, greedy):
+  outputs = llm.generate("hi!", SamplingParams(max_tokens=5))
+  assert len(outputs) == 1 and isinstance(outputs[0], RequestOutput)
+  out = outputs[0]
+  assert out.prompt == "hi!"
+  assert list(out.prompt_token_ids) == _byte_ids("hi!")
+  completion = out.outputs[0]
+  assert isinstance(completion, CompletionOutput) and completion.index == 0
+  expected, _ = greedy(_byte_ids("hi!"), 5)
+  assert list(completion.token_ids) == expected
+  byte_values = bytes(t - BYTE_OFFSET for t in expected if BYTE_OFFSET <= t < 256 + BYTE_OFFSET)
+  assert completion.text == byte_values.decode("utf-8", errors="replace")
+  assert completion.logprobs is None
+  assert completion.finish_reason == ("stop" if expected[-1] == EOS else "length")
+  assert llm.engine.all_free()
+
+
+def test_token_id_prompts_single_or_listed_give_the_same_tokens(llm, greedy):
+  prompt = [17, 300, 45, 99, 7]
+  single = llm.generate(prompt, SamplingParams(max_tokens=4))
+  listed = llm.generate([prompt], SamplingParams(max_tokens=4))
+  as_tuple = llm.generate([tuple(prompt)], SamplingParams(max_tokens=4))
+  expected, _ = greedy(prompt, 4)
+  assert _tokens(single) == _tokens(listed) == _tokens(as_tuple) == [expected]
+  assert single[0].prompt is None and list(single[0].prompt_token_ids) == prompt
+
+
+def test_a_batch_keeps_prompt_order_and_matches_each_prompt_alone(llm, greedy):
+  prompts = ["abc", [400, 401, 402, 403, 404, 405, 406], "a longer prompt!", [9]]
+  outputs = llm.generate(prompts, SamplingParams(max_tokens=4))
+  assert [o.prompt for o in outputs] == ["abc", None, "a longer prompt!", None]
+  ids = [_byte_ids("abc"), prompts[1], _byte_ids("a longer prompt!"), [9]]
+  assert [list(o.prompt_token_ids) for o in outputs] == ids
+  assert _tokens(outputs) == [greedy(p, 4)[0] for p in ids]
+  assert len({o.request_id for o in outputs}) == 4
+  assert llm.engine.all_free()
+
+
+def test_one_sampling_params_per_prompt(llm, greedy):
+  prompts = [[5, 6, 7], [8, 9]]
+  outputs = llm.generate(prompts, [SamplingParams(max_tokens=2), SamplingParams(max_tokens=5)])
+  assert _tokens(outputs) == [greedy(prompts[0], 2)[0], greedy(prompts[1], 5)[0]]
+
+
+def test_the_default_sampling_params_are_greedy_16_tokens(llm, greedy):
+  outputs = llm.generate([3, 4, 5])
+  assert _tokens(outputs) == [greedy([3, 4, 5], 16)[0]]
+
+
+def test_sampling_params_count_must_match_the_prompts(llm):
+  with pytest.raises(ValueError, match=r"got 3 SamplingParams for 2 prompts; give one or one each"):
+    llm.generate([[1, 2], [3, 4]], [SamplingParams()] * 3)
+
+
+@pytest.mark.parametrize(
+    "prompts, match",
+    [
+        ([1.5], r"prompts\[0\] must be a string or a list of token ids, got float"),
+        ([[1, 2], [3, "4"]], r"prompts\[1\] must be a string or a list of token ids, got list"),
+        ([[True, False]], r"prompts\[0\] must be a string or a list of token ids, got list"),
+        ([None], r"prompts\[0\] must be a string or a list of token ids, got NoneType"),
+    ],
+)
+def test_a_prompt_that_is_neither_text_nor_token_ids_is_a_type_error(llm, prompts, match):
+  with pytest.raises(TypeError, match=match):
+    llm.generate(prompts, SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize(
+    "prompts, match",
+    [
+        ([[]], r"request '\d+': the prompt is empty; it needs at least one token"),
+        ([[1, 2, 512]], r"prompt token 512 must be an int in \[0, vocab_size=512\)"),
+        ([list(range(3, 40))], r"the prompt has 37 tokens but must be shorter than max_target_length=32"),
+    ],
+)
+def test_a_prompt_the_scheduler_rejects_is_a_value_error(llm, prompts, match):
+  with pytest.raises(ValueError, match=match):
+    llm.generate(prompts, SamplingParams(max_tokens=1))
+
+
+def test_an_empty_list_of_prompts_gives_no_outputs(llm):
+  assert llm.generate([], SamplingParams(max_tokens=1)) == []
+
+
+def test_logprobs_follow_the_dense_forward_and_are_absent_unless_asked(llm, greedy):
+  prompt = [50, 60, 70, 80]
+  with_lp, without = llm.generate(
+      [prompt, prompt], [SamplingParams(max_tokens=4, logprobs=3), SamplingParams(max_tokens=4)]
+  )
+  expected, rows = greedy(prompt, 4)
+  assert without.outputs[0].logprobs is None
+  assert list(with_lp.outputs[0].token_ids) == list(without.outputs[0].token_ids) == expected
+  logprobs = with_lp.outputs[0].logprobs
+  assert len(logprobs) == len(expected)
+  for lp, token, row in zip(logprobs, expected, rows):
+    assert lp.token_id == token
+    np.testing.assert_allclose(lp.logprob, row[token], atol=1e-4)
+    best = np.argsort(-row, kind="stable")[:3]
+    assert [t for t, _ in lp.top] == best.tolist()
+    np.testing.assert_allclose([v for _, v in lp.top], row[best], atol=1e-4)
+    assert lp.top[0] == (token, lp.logprob)  # greedy: the sampled token is the most likely one
+
+
+def test_logprobs_zero_gives_only_the_sampled_token(llm, greedy):
+  out = llm.generate([[30, 31]], SamplingParams(max_tokens=2, logprobs=0))[0].outputs[0]
+  _, rows = greedy([30, 31], 2)
+  assert [lp.top for lp in out.logprobs] == [(), ()]
+  np.testing.assert_allclose([lp.logprob for lp in out.logprobs], [r[t] for r, t in zip(rows, out.token_ids)], atol=1e-4)
+
+
+def test_finish_reasons_stop_token_max_tokens_and_max_target_length(llm, greedy):
+  prompt = [100, 101, 102]
+  expected, _ = greedy(prompt, 6)
+  assert EOS not in expected  # otherwise this check would not exercise what it claims
+  stop_at = expected[2]
+  first = expected.index(stop_at)
+  stopped, capped, at_limit = llm.generate(
+      [prompt, prompt, list(range(3, 3 + 29))],
+      [
+          SamplingParams(max_tokens=6, stop_token_ids=[stop_at]),
+          SamplingParams(max_tokens=3),
+          SamplingParams(max_tokens=10),
+      ],
+  )
+  assert list(stopped.outputs[0].token_ids) == expected[: first + 1]  # the stop token is kept
+  assert stopped.outputs[0].finish_reason == "stop"
+  assert list(capped.outputs[0].token_ids) == expected[:3] and capped.outputs[0].finish_reason == "length"
+  # 29 prompt tokens + 3 generated reach max_target_length=32 before max_tokens=10.
+  assert len(at_limit.outputs[0].token_ids) == 3 and at_limit.outputs[0].finish_reason == "length"
+  assert llm.engine.all_free()
+
+
+def test_the_progress_bar_goes_to_stderr(llm, capsys):
+  llm.generate([[40, 41]], SamplingParams(max_tokens=2), use_tqdm=True)
+  captured = capsys.readouterr()
+  assert captured.out == ""
+  assert "generating" in captured.err
+
+
+def test_seeded_sampling_is_reproducible_across_engines_and_batches():
+  prompt = [200, 201, 202, 203]
+  seeded = SamplingParams(max_tokens=8, temperature=1.5, seed=7)
+  alone = LLM(**OVERRIDES).generate([prompt], seeded)
+  other = LLM(**OVERRIDES)
+  batch = other.generate(
+      [[5, 6, 7, 8, 9, 10], prompt, prompt, [11]],
+      [
+          SamplingParams(max_tokens=3, temperature=1.0),
+          seeded,
+          SamplingParams(max_tokens=8, temperature=1.5, seed=8),
+          seeded,
+      ],
+  )
+  assert _tokens(alone)[0] == _tokens(batch)[1]
+  assert _tokens(batch)[1] != _tokens(batch)[2]  # another seed draws other tokens
+  assert _tokens(batch)[1] != _tokens(batch)[3]  # the same seed on another prompt too
+  greedy_tokens = _tokens(other.generate([prompt], SamplingParams(max_tokens=8)))[0]
+  assert _tokens(alone)[0] != greedy_tokens  # temperature 1.5 really samples
+  assert other.engine.all_free()
+
+
+def test_engine_stats_count_steps_tokens_and_compile_once_per_bucket():
+  llm = LLM(**OVERRIDES)
+  stats = llm.engine.stats
+  llm.generate([[3] * 5, [4] * 7], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=2)])
+  # Step 1 prefills both prompts (12 tokens), then one decode step per further token of the longer request.
+  assert (stats.steps, stats.prompt_tokens, stats.generated_tokens) == (4, 12, 6)
+  assert stats.scheduled_tokens == 12 + 2 + 1 + 1
+  assert stats.preemptions == 0 and stats.wall_time_s > 0
+  assert stats.step_traces == 1
+  # More requests and other lengths in the same 16-token bucket: no new trace.
+  llm.generate([[5] * 9, [6], [7] * 3], SamplingParams(max_tokens=3))
+  assert stats.step_traces == 1
+  assert (stats.steps, stats.generated_tokens) == (7, 15)
+  # A 20-token prefill needs the 32-token bucket: exactly one more trace, and its decodes reuse the first one.
+  llm.generate([[8] * 20], SamplingParams(max_tokens=3))
+  assert stats.step_traces == 2
+  as_dict = stats.as_dict()
+  assert as_dict["steps"] == 10 and as_dict["generated_tokens"] == 18
+  assert as_dict["generated_tokens_per_s"] == pytest.approx(18 / stats.wall_time_s)
+  assert llm.engine.all_free()

@@ -117,14 +117,39 @@ class LLMEngine:
     self._logits = jax.jit(logits)
 
   def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
-    """Queues a request; returns its id."""
+    """Queues a request; returns its id.
+
+    Raises:
+      TypeError, ValueError: the scheduler rejects the request (see `Scheduler.check_request`).
+    """
     rid = request_id if request_id is not None else str(self._next_id)
     self._next_id += 1
-    self.scheduler.add_request(Request(rid, list(prompt_token_ids), params))
-    if params.logprobs is not None:
-      self._logprobs[rid] = []
-    self.stats.prompt_tokens += len(prompt_token_ids)
-    return rid
+    return self._queue(Request(rid, list(prompt_token_ids), params))
+
+  def add_requests(self, prompts: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[str]:
+    """Queues several requests, all or none: every one is checked before any is queued.
+
+    Args:
+      prompts: (prompt token ids, sampling params) per request.
+
+    Returns:
+      The request ids, in the order of `prompts`.
+
+    Raises:
+      TypeError, ValueError: the scheduler rejects one of the requests; then none is queued.
+    """
+    requests = [Request(str(self._next_id + i), list(ids), params) for i, (ids, params) in enumerate(prompts)]
+    for request in requests:
+      self.scheduler.check_request(request)
+    self._next_id += len(requests)
+    return [self._queue(request) for request in requests]
+
+  def _queue(self, request: Request) -> str:
+    self.scheduler.add_request(request)
+    if request.sampling_params.logprobs is not None:
+      self._logprobs[request.request_id] = []
+    self.stats.prompt_tokens += request.num_prompt_tokens
+    return request.request_id
 
   def _zero_slots(self, slots: Sequence[int]) -> None:
     if not slots:

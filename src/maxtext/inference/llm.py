@@ -73,7 +73,7 @@ class LLM:
     Raises:
       TypeError: a prompt is neither a string nor a list of ints.
       ValueError: a list of SamplingParams whose length is not the number of prompts, or a prompt the scheduler
-        rejects (too long, empty, token ids outside the vocabulary).
+        rejects (too long, empty, token ids outside the vocabulary). Either way no request of the call is queued.
     """
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
       prompts = [prompts]
@@ -83,13 +83,10 @@ class LLM:
       sampling_params = [sampling_params] * len(prompts)
     if len(sampling_params) != len(prompts):
       raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; give one or one each")
-    texts: dict[str, str | None] = {}
-    order: list[str] = []
-    for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-      text, ids = self._prompt_ids(prompt, i)
-      rid = self.engine.add_request(ids, params)
-      texts[rid] = text
-      order.append(rid)
+    # Every prompt is converted and checked before any is queued, so a bad one leaves no request behind.
+    prepared = [self._prompt_ids(prompt, i) for i, prompt in enumerate(prompts)]
+    order = self.engine.add_requests([(ids, params) for (_, ids), params in zip(prepared, sampling_params)])
+    texts = {rid: text for rid, (text, _) in zip(order, prepared)}
     done: dict[str, FinishedRequest] = {}
     total = sum(p.max_tokens for p in sampling_params)
     with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=not use_tqdm) as progress:

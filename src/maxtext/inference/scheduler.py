@@ -112,6 +112,20 @@ class Scheduler:
     """Queues a new request (FCFS).
 
     Raises:
+      TypeError, ValueError: see `check_request`.
+    """
+    self.check_request(request)
+    request.prompt_token_ids = tuple(int(t) for t in request.prompt_token_ids)  # NumPy ints -> Python ints
+    request.arrival_index = self._next_arrival
+    self._next_arrival += 1
+    self._active_ids.add(request.request_id)
+    self.waiting.append(request)
+    logger.debug("added request %s (%d prompt tokens)", request.request_id, request.num_prompt_tokens)
+
+  def check_request(self, request: Request) -> None:
+    """Raises if `add_request` would reject the request; changes nothing (callers check a batch before queueing).
+
+    Raises:
       TypeError: not a Request.
       ValueError: a duplicate id of an unfinished request, a request that already ran, an empty prompt, token ids
         outside [0, vocab_size), a prompt of `max_target_length` tokens or more, or a request that can never fit in
@@ -138,12 +152,6 @@ class Scheduler:
     final_length = min(num_prompt + request.sampling_params.max_tokens, self.max_target_length)
     # The last generated token is never fed back, so the cache holds at most final_length - 1 tokens.
     self.kv_cache_manager.check_request_fits(rid, final_length - 1)
-    request.prompt_token_ids = tuple(int(t) for t in request.prompt_token_ids)  # NumPy ints -> Python ints
-    request.arrival_index = self._next_arrival
-    self._next_arrival += 1
-    self._active_ids.add(rid)
-    self.waiting.append(request)
-    logger.debug("added request %s (%d prompt tokens)", rid, num_prompt)
 
   def has_unfinished_requests(self) -> bool:
     """Whether any request is waiting or running."""

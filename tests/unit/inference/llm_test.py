@@ -134,6 +134,7 @@ def test_sampling_params_count_must_match_the_prompts(llm):
 def test_a_prompt_that_is_neither_text_nor_token_ids_is_a_type_error(llm, prompts, match):
   with pytest.raises(TypeError, match=match):
     llm.generate(prompts, SamplingParams(max_tokens=1))
+  assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize(
@@ -151,6 +152,20 @@ def test_a_prompt_the_scheduler_rejects_is_a_value_error(llm, prompts, match):
 
 def test_an_empty_list_of_prompts_gives_no_outputs(llm):
   assert llm.generate([], SamplingParams(max_tokens=1)) == []
+
+
+def test_a_rejected_prompt_queues_none_of_the_batch(llm, greedy):
+  with pytest.raises(ValueError, match=r"the prompt has 37 tokens"):
+    llm.generate([[10, 11, 12], list(range(3, 40))], SamplingParams(max_tokens=2))
+  with pytest.raises(TypeError, match=r"prompts\[1\] must be a string or a list of token ids"):
+    llm.generate([[10, 11, 12], 3.0], SamplingParams(max_tokens=2))
+  assert not llm.engine.has_unfinished_requests()
+  # The next call returns exactly its own request and does not run leftovers of the failed ones.
+  generated_before = llm.engine.stats.generated_tokens
+  outputs = llm.generate([[20, 21]], SamplingParams(max_tokens=2))
+  assert _tokens(outputs) == [greedy([20, 21], 2)[0]]
+  assert llm.engine.stats.generated_tokens - generated_before == 2
+  assert llm.engine.all_free()
 
 
 def test_logprobs_follow_the_dense_forward_and_are_absent_unless_asked(llm, greedy):

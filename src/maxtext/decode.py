@@ -23,13 +23,15 @@ from maxtext.checkpoint import load_run_config
 from maxtext.inference.kv_cache_manager import KVCacheManager
 from maxtext.inference.llm import LLM, RequestOutput
 from maxtext.inference.sampling_params import SamplingParams
+from maxtext.inference.scheduler import RequestNeverFitsError
 from maxtext.integration.vllm import kv_cache_spec
 
 logger = logging.getLogger(__name__)
 
 USAGE = "usage: maxtext-decode [configs/base.yml] key=value ...  (see configs/base.yml for every key)"
 # Errors that mean "the input is wrong", reported as one line with exit status 2. Anything else is a bug: traceback.
-USER_ERRORS = (ValueError, TypeError, NotImplementedError, FileNotFoundError, KeyError)
+# RequestNeverFitsError: the configured cache pools (num_kv_blocks, block_size) are too small for the request.
+USER_ERRORS = (ValueError, TypeError, NotImplementedError, FileNotFoundError, KeyError, RequestNeverFitsError)
 
 
 def sampling_params_from_config(cfg: ml_collections.FrozenConfigDict) -> SamplingParams:

@@ -210,3 +210,23 @@ def test_outputs_to_json_writes_every_request_and_the_stats():
       ],
       "stats": {"steps": 3, "wall_time_s": 0.25},
   }
+
+
+def test_a_request_that_can_never_fit_its_sliding_pool_exits_2_with_one_line(capsys):
+  # Only sliding-window layers, so the up-front check (full-attention pools) passes and the scheduler finds at the
+  # first step that a 10-token prefill chunk cannot get its blocks from a 1-block pool.
+  args = [
+      BASE,
+      "decoder_block=gemma3",
+      "layer_types=[sliding_attention, sliding_attention]",
+      "sliding_window_size=4",
+      "num_kv_blocks=2",
+      "block_size=4",
+  ]
+  assert decode.main(args) == 2
+  err = capsys.readouterr().err
+  # The progress bar had started, so its line precedes the error; the error itself is one line, no traceback.
+  assert "Traceback" not in err
+  (line,) = [line for line in err.split("\n") if line.startswith("maxtext-decode: error: ")]
+  assert err.endswith(line + "\n")
+  assert re.search(r"request '0' can never fit: .* raise num_kv_blocks", line), line

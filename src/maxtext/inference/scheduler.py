@@ -77,6 +77,10 @@ class SchedulerOutput:
     return not self.scheduled
 
 
+class RequestNeverFitsError(RuntimeError):
+  """A request cannot get its blocks even with no other request holding any: the pools are too small for it."""
+
+
 def _is_token(token: Any, vocab_size: int) -> bool:
   """An integer (Python or NumPy, not bool) in [0, vocab_size)."""
   return isinstance(token, numbers.Integral) and not isinstance(token, bool) and 0 <= token < vocab_size
@@ -167,7 +171,7 @@ class Scheduler:
     """Plans the next step (see the module docstring).
 
     Raises:
-      RuntimeError: a request cannot get blocks although no other request holds any (it can never fit).
+      RequestNeverFitsError: a request cannot get blocks although no other request holds any (a RuntimeError).
     """
     budget = self.max_num_batched_tokens
     scheduled: dict[str, int] = {}  # request id -> tokens, in scheduling order
@@ -231,12 +235,12 @@ class Scheduler:
     bisect.insort(self.waiting, request, key=_arrival)
     logger.info("preempted request %s (%d tokens to recompute)", request.request_id, request.num_tokens)
 
-  def _never_fits(self, request: Request, n: int) -> RuntimeError:
+  def _never_fits(self, request: Request, n: int) -> RequestNeverFitsError:
     manager = self.kv_cache_manager
     free = ", ".join(
         f"{manager.groups[g].describe()}: {manager.num_free_blocks(g)} free" for g in manager.attention_group_ids
     )
-    return RuntimeError(
+    return RequestNeverFitsError(
         f"request {request.request_id!r} can never fit: computing tokens [{request.num_computed_tokens},"
         f" {request.num_computed_tokens + n}) fails although no other request holds blocks ({free};"
         f" {manager.num_free_state_slots()} free state slots); raise num_kv_blocks, or lower max_num_batched_tokens"

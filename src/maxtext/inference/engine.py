@@ -80,11 +80,22 @@ def make_attention_metadata(batch: BatchInputs) -> AttentionMetadata | GroupedAt
 
 
 class LLMEngine:
-  """Runs requests to completion with continuous batching over the adapter, like tpu-inference's runner."""
+  """Runs requests to completion with continuous batching over the adapter, like tpu-inference's runner.
+
+  Raises:
+    ValueError: `ici_tensor_parallelism` asks for more devices than JAX has.
+  """
 
   def __init__(self, cfg: ml_collections.FrozenConfigDict, *, eos_token_id: int | None = None):
     self.cfg = cfg
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[: cfg.ici_tensor_parallelism]), ("model",))
+    devices = jax.devices()
+    if cfg.ici_tensor_parallelism > len(devices):
+      # Slicing the device list would silently build a smaller mesh than asked for.
+      raise ValueError(
+          f"ici_tensor_parallelism={cfg.ici_tensor_parallelism} needs {cfg.ici_tensor_parallelism} devices, but JAX"
+          f" sees {len(devices)} ({devices[0].platform}); lower ici_tensor_parallelism"
+      )
+    mesh = jax.sharding.Mesh(np.array(devices[: cfg.ici_tensor_parallelism]), ("model",))
     self.model = MaxTextForCausalLM(vllm_config_from_maxtext(cfg), jax.random.key(cfg.init_seed), mesh)
     if not self.model.is_dummy:
       self.model.load_weights(jax.random.key(cfg.init_seed))

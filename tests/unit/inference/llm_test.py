@@ -265,3 +265,9 @@ def test_engine_stats_count_steps_tokens_and_compile_once_per_bucket():
   assert as_dict["steps"] == 10 and as_dict["generated_tokens"] == 18
   assert as_dict["generated_tokens_per_s"] == pytest.approx(18 / stats.wall_time_s)
   assert llm.engine.all_free()
+
+
+def test_more_tensor_parallel_devices_than_jax_has_is_an_error():
+  devices = len(jax.devices())
+  with pytest.raises(ValueError, match=rf"ici_tensor_parallelism={2 * devices} needs {2 * devices} devices, but JAX"):
+    LLM(ici_tensor_parallelism=2 * devices)

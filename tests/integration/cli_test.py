@@ -134,6 +134,7 @@ def test_dry_run_prints_the_layout_of_every_layer_and_help_exits_0():
   assert status == 0 and out.startswith("usage: maxtext-decode") and err == ""
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_line_on_stderr():
   cases = {
       "unknown key": (["configs/base.yml", "foo=1"], "unknown config key 'foo'"),

@@ -17,14 +17,16 @@ from flax import nnx
 from maxtext.configs import load_config
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.kernels.attention_metadata import AttentionMetadata
-from maxtext.models import Transformer
+from maxtext.models import Transformer, assign_params, get_flat_params
 
 ATOL = 1e-4
-# Tiny random-init Gated DeltaNet hybrids are ill-conditioned: some heads' outputs nearly cancel and the gated
-# RMSNorm rescales them, so fp32 rounding differences of ~1e-7 per layer grow to a few 1e-4 in logits (the dense
-# model's own chunked and recurrent forms differ by 3.5e-4 on qwen3-next-tiny). A paging bug moves logits by O(1).
-HYBRID_ATOL = 1e-3
+# Gated DeltaNet hybrids with this package's default random init (variance 1/fan_in) are ill-conditioned: some
+# heads' outputs nearly cancel and the gated RMSNorm rescales them, so fp32 rounding (~1e-7 per layer) grows to a
+# few 1e-4 in logits (the dense model's own chunked and recurrent forms differ by up to 3.5e-4). With weights at
+# the scale transformers initialises them (std 0.05, as the parity tests use), both forms agree to ~1e-5, so the
+# hybrids are checked at that scale, at the same tolerance as every other family.
 HYBRIDS = ("qwen3_next", "qwen3_5")
+HF_INIT_STD = 0.05
 FAMILIES = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "kvshare-tiny"]
 MAX_REQS = 8
 NUM_BLOCKS = 48
@@ -158,15 +160,17 @@ _MODELS = {}
 def _model(name):
   if name not in _MODELS:
     cfg = load_config(model_name=name, block_size=BLOCK_SIZE)
-    _MODELS[name] = (cfg, Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    if cfg.decoder_block in HYBRIDS:
+      # Matrices rescaled to transformers' init scale (see HF_INIT_STD); vectors (norms, A_log, dt_bias) kept.
+      params = {k: np.asarray(v) for k, v in get_flat_params(model).items()}
+      assign_params(model, {k: v * (HF_INIT_STD / v.std()) if v.ndim >= 2 else v for k, v in params.items()})
+    _MODELS[name] = (cfg, model)
   return _MODELS[name]
 
 
-def _dense_logits(model, tokens, gdn_chunked=False):
-  # The paged kernels run the Gated DeltaNet recurrence token by token, so the dense reference does too; the
-  # chunked form agrees with it to fp32 rounding per layer (layer tests), which tiny random models amplify to
-  # ~2e-4 in logits over 8 layers.
-  return np.asarray(model(jnp.asarray(tokens, jnp.int32)[None], gdn_chunked=gdn_chunked))[0]
+def _dense_logits(model, tokens):
+  return np.asarray(model(jnp.asarray(tokens, jnp.int32)[None]))[0]
 
 
 def _requests(cfg, lengths, seed=1):
@@ -179,12 +183,14 @@ def _check(harness, model, reqs, schedule):
   for plan in schedule:
     for rid, logits in harness.run_step(plan).items():
       got[rid].append(logits)
+  worst = 0.0
   for r in reqs:
     paged = np.concatenate(got[r.rid])
     dense = _dense_logits(model, r.tokens)
     assert paged.shape == dense.shape
-    atol = HYBRID_ATOL if harness.cfg.decoder_block in HYBRIDS else ATOL
-    np.testing.assert_allclose(paged, dense, atol=atol, rtol=0, err_msg=f"request {r.rid}")
+    np.testing.assert_allclose(paged, dense, atol=ATOL, rtol=0, err_msg=f"request {r.rid}")
+    worst = max(worst, float(np.max(np.abs(paged - dense))))
+  print(f"\n{harness.cfg.model_name}: max |paged - dense| logit error = {worst:.2e}")
 
 
 def _chunked_schedule(reqs, chunk):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from types import MappingProxyType
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,6 +65,12 @@ def read_yaml(path: str) -> dict[str, Any]:
   if not isinstance(data, dict):
     raise ConfigError(f"{path}: must be a mapping of key: value, got {type(data).__name__}")
   return data
+
+
+@functools.cache
+def base_key_types() -> Mapping[str, type]:
+  """Type of every configuration key, from the package's base.yml (read once per process)."""
+  return MappingProxyType(key_types(read_yaml(BASE_CONFIG_PATH)))
 
 
 def available_models(base_path: str = BASE_CONFIG_PATH) -> list[str]:
@@ -143,7 +151,7 @@ def load_config(argv: Sequence[str] = (), **overrides: Any) -> ml_collections.Fr
     raise ConfigError(f"argv must be a sequence of strings, got the string {argv!r}")
   base_path, cli_text = _parse_argv(argv)
   base = read_yaml(base_path)
-  types = key_types(read_yaml(BASE_CONFIG_PATH))
+  types = base_key_types()
   values = _typed_layer(base, types, base_path)
   missing = sorted(set(types) - set(values))
   if missing:

@@ -13,7 +13,7 @@ from typing import Any
 import ml_collections
 
 from maxtext.configs import config_to_dict
-from maxtext.configs.loader import BASE_CONFIG_PATH, read_yaml
+from maxtext.configs.loader import base_key_types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ def vllm_config_from_maxtext(cfg: ml_collections.FrozenConfigDict) -> ReferenceV
   Every base.yml key goes into `additional_config["maxtext_config"]`; `load_format` is "dummy" (random weights)
   when neither `load_parameters_path` nor `hf_model_path` is set.
   """
-  base_keys = read_yaml(BASE_CONFIG_PATH).keys()
+  base_keys = base_key_types()
   overrides = {k: v for k, v in config_to_dict(cfg).items() if k in base_keys}
   has_checkpoint = bool(cfg.load_parameters_path or cfg.hf_model_path)
   return ReferenceVllmConfig(

@@ -20,11 +20,10 @@ from typing import Any
 import ml_collections
 
 from maxtext.checkpoint import load_run_config
-from maxtext.inference.kv_cache_manager import KVCacheManager
+from maxtext.inference.engine import make_kv_cache_manager
 from maxtext.inference.llm import LLM, RequestOutput
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import RequestNeverFitsError
-from maxtext.integration.vllm import kv_cache_spec
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +47,7 @@ def sampling_params_from_config(cfg: ml_collections.FrozenConfigDict) -> Samplin
 
 def format_layout(cfg: ml_collections.FrozenConfigDict) -> str:
   """Each layer's kind, KV-cache group, physical slot, cache shapes/dtypes/bytes, and the total memory."""
-  manager = KVCacheManager(cfg, kv_cache_spec.get_kv_cache_specs(cfg), kv_cache_spec.get_shared_kv_cache_layers(cfg))
-  return manager.format_layout()
+  return make_kv_cache_manager(cfg).format_layout()
 
 
 def _logprobs_json(output: Any) -> list[dict[str, Any]]:

@@ -79,6 +79,11 @@ def make_attention_metadata(batch: BatchInputs) -> AttentionMetadata | GroupedAt
   return GroupedAttentionMetadata(groups, batch.layer_names_per_group)
 
 
+def make_kv_cache_manager(cfg: ml_collections.FrozenConfigDict) -> KVCacheManager:
+  """The KV-cache manager for the caches the model of `cfg` asks for (its per-layer specs and KV sharing)."""
+  return KVCacheManager(cfg, kv_cache_spec.get_kv_cache_specs(cfg), kv_cache_spec.get_shared_kv_cache_layers(cfg))
+
+
 class LLMEngine:
   """Runs requests to completion with continuous batching over the adapter, like tpu-inference's runner.
 
@@ -99,9 +104,7 @@ class LLMEngine:
     self.model = MaxTextForCausalLM(vllm_config_from_maxtext(cfg), jax.random.key(cfg.init_seed), mesh)
     if not self.model.is_dummy:
       self.model.load_weights(jax.random.key(cfg.init_seed))
-    self.manager = KVCacheManager(
-        cfg, kv_cache_spec.get_kv_cache_specs(cfg), kv_cache_spec.get_shared_kv_cache_layers(cfg)
-    )
+    self.manager = make_kv_cache_manager(cfg)
     self.kv_caches = self.manager.allocate_caches()
     self.layer_map = self.manager.layer_name_to_kvcache_index
     self.recurrent_slots = tuple(i for i, c in enumerate(self.kv_caches) if isinstance(c, tuple))

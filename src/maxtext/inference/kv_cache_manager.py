@@ -34,6 +34,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from maxtext.configs.derived import LINEAR_ATTENTION
 from maxtext.inference.block_pool import NULL_BLOCK, BlockPool
 from maxtext.inference.state_slots import StateSlotPool
 
@@ -41,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 ATTENTION = "attention"
 RECURRENT = "recurrent"
-LINEAR_ATTENTION = "linear_attention"
 LAYOUTS = ("layer", "hybrid", "shuffled")
 _LAYER_NAME = re.compile(r"^layer\.(\d+)$")
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from maxtext.configs.derived import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
 from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.layers.attention import Attention
 from maxtext.layers.gated_delta_net import GatedDeltaNet
@@ -18,9 +19,6 @@ from maxtext.layers.rotary import RopeSpec
 
 logger = logging.getLogger(__name__)
 
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
-LINEAR_ATTENTION = "linear_attention"
 
 KV = tuple[jax.Array, jax.Array]
 

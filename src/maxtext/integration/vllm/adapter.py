@@ -83,7 +83,6 @@ class MaxTextForCausalLM(nnx.Module):
     self.mesh = mesh
     self.cfg = maxtext_config_from_vllm(vllm_config)
     self.num_layers = self.cfg.base_num_decoder_layers
-    self.layer_specs = tuple(kv_cache_spec.get_layer_spec(self.cfg, i) for i in range(self.num_layers))
     self.is_dummy = _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT
     if self.is_dummy:
       # With dummy weights the runner never calls load_weights; upstream MaxText initialises here too.
@@ -151,8 +150,7 @@ class MaxTextForCausalLM(nnx.Module):
         layer_name_to_kvcache_index, self.num_layers, len(kv_caches)
     )
     layer_caches = hybrid_cache_utils.gather_layer_kv_caches(kv_caches, layer_indices)
-    for i, (spec, cache) in enumerate(zip(self.layer_specs, layer_caches)):
-      kv_cache_spec.validate_layer_cache(hybrid_cache_utils.layer_name(i), spec, cache, layer_indices[i])
+    kv_cache_spec.validate_layer_caches(self.cfg, layer_caches, layer_indices)
     layer_metadata = [
         metadata_for_layer(attention_metadata, hybrid_cache_utils.layer_name(i)) for i in range(self.num_layers)
     ]

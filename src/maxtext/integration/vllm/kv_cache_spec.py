@@ -11,25 +11,19 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from maxtext.configs.derived import ATTENTION_LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION
+from maxtext.integration.vllm.hybrid_cache_utils import layer_name
 from maxtext.kernels.kv_cache_layout import get_kv_cache_shape, get_padded_num_heads
 
 RECURRENT_STATE_DTYPE = "float32"  # the recurrent state is kept in fp32 (bf16 loses it token by token upstream)
 
 
 def _itemsize(dtype: str) -> int:
-  return np.dtype(_numpy_dtype(dtype)).itemsize
-
-
-def _numpy_dtype(dtype: str) -> Any:
-  if dtype == "bfloat16":
-    import ml_dtypes  # pylint: disable=import-outside-toplevel  # only needed for bf16, ships with jax
-
-    return ml_dtypes.bfloat16
-  return np.dtype(dtype)
+  return jnp.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +94,6 @@ class RecurrentSpec:
 KVCacheSpec = AttentionSpec | RecurrentSpec
 
 
-def layer_name(layer: int) -> str:
-  """The runner's name of decoder layer `layer`."""
-  return f"layer.{layer}"
-
-
 def kv_cache_dtype(cfg: ml_collections.FrozenConfigDict) -> str:
   """The attention cache dtype: `kv_cache_dtype`, or the compute dtype when it is `auto`."""
   return cfg.dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
@@ -156,7 +145,7 @@ def describe_cache(cache: Any) -> str:
 
 
 def _dtype_name(dtype: Any) -> str:
-  return "bfloat16" if str(dtype) == "bfloat16" else np.dtype(dtype).name
+  return jnp.dtype(dtype).name
 
 
 def validate_layer_cache(name: str, spec: KVCacheSpec, cache: Any, slot: int | None = None) -> None:

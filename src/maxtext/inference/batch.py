@@ -25,20 +25,14 @@ import numpy as np
 
 from maxtext.inference.kv_cache_manager import ATTENTION, KVCacheManager
 from maxtext.inference.scheduler import SchedulerOutput
+from maxtext.kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 MIN_TOKEN_BUCKET = 16
 MIN_REQUEST_BUCKET = 8
-METADATA_FIELDS = (
-    "input_positions",
-    "block_tables",
-    "seq_lens",
-    "query_start_loc",
-    "request_distribution",
-    "mamba_state_indices",
-    "padded_num_reqs",
-)
+# The field names of AttentionMetadata, in its order (metadata_fields() dicts construct it in one line).
+METADATA_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionMetadata))
 
 
 def next_power_of_two(n: int) -> int:

@@ -21,12 +21,17 @@ def fixture_config_dir(tmp_path):
   return tmp_path
 
 
+def _as_tuples(value):
+  """Lists, nested ones included, as the tuples a loaded config holds."""
+  return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value
+
+
 def test_defaults_load_and_every_key_is_present():
   cfg = load_config()
   raw = loader.read_yaml(BASE_CONFIG_PATH)
   for key, value in raw.items():
     got = getattr(cfg, key)
-    assert got == (tuple(value) if isinstance(value, list) else value) or key == "layer_types"
+    assert got == _as_tuples(value) or key == "layer_types"
   assert cfg.layer_types == ("full_attention",) * raw["base_num_decoder_layers"]
 
 

@@ -60,6 +60,7 @@ _POSITIVE = (
     "max_target_length",
     "ici_tensor_parallelism",
     "rope_original_max_position_embeddings",
+    "max_new_tokens",
 )
 _NON_NEGATIVE = (
     "sliding_window_size",
@@ -70,7 +71,6 @@ _NON_NEGATIVE = (
     "query_pre_attn_scalar",
     "attn_logits_soft_cap",
     "final_logits_soft_cap",
-    "max_new_tokens",
     "logprobs",
     "decode_sampling_temperature",
     "seed",

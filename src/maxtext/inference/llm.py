@@ -11,6 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from maxtext.checkpoint import load_run_config
+from maxtext.inference import prompts as prompt_checks
 from maxtext.inference.engine import FinishedRequest, LLMEngine
 from maxtext.inference.sampler import TokenLogprobs
 from maxtext.inference.sampling_params import SamplingParams
@@ -55,11 +56,10 @@ class LLM:
     self.engine = LLMEngine(self.cfg, eos_token_id=self.tokenizer.eos_token_id)
 
   def _prompt_ids(self, prompt: Any, index: int) -> tuple[str | None, list[int]]:
+    prompt_checks.check_prompt(prompt, f"prompts[{index}]")
     if isinstance(prompt, str):
       return prompt, self.tokenizer.encode(prompt, add_bos=True)
-    if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-      return None, list(prompt)
-    raise TypeError(f"prompts[{index}] must be a string or a list of token ids, got {type(prompt).__name__}")
+    return None, [int(t) for t in prompt]
 
   def generate(
       self,
@@ -70,17 +70,25 @@ class LLM:
   ) -> list[RequestOutput]:
     """Generates a completion for every prompt (strings or lists of token ids), in prompt order.
 
+    `SamplingParams.max_tokens` is an upper bound: a request also stops when prompt + output reaches
+    `max_target_length` (finish reason "length"), so a larger `max_tokens` is not an error; the progress bar counts
+    the tokens that can actually be generated.
+
     Raises:
-      TypeError: a prompt is neither a string nor a list of ints.
-      ValueError: a list of SamplingParams whose length is not the number of prompts, or a prompt the scheduler
-        rejects (too long, empty, token ids outside the vocabulary). Either way no request of the call is queued.
+      TypeError: `prompts` is not a string, a list of token ids or a list of those (bytes, None, a number), a
+        prompt holds a non-int token, or `sampling_params` holds something other than SamplingParams.
+      ValueError: an empty prompt (`""` or `[]`), text that is not valid UTF-8, a list of SamplingParams whose
+        length is not the number of prompts, or a prompt the scheduler rejects (too long, token ids outside the
+        vocabulary). In every case no request of the call is queued and running requests are not disturbed.
     """
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-      prompts = [prompts]
+    prompts = prompt_checks.normalize_prompts(prompts)
     if sampling_params is None:
       sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
       sampling_params = [sampling_params] * len(prompts)
+    if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, (str, bytes)):
+      raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
+    prompt_checks.check_sequence_of(sampling_params, SamplingParams, "sampling_params")
     if len(sampling_params) != len(prompts):
       raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; give one or one each")
     # Every prompt is converted and checked before any is queued, so a bad one leaves no request behind.
@@ -88,7 +96,11 @@ class LLM:
     order = self.engine.add_requests([(ids, params) for (_, ids), params in zip(prepared, sampling_params)])
     texts = {rid: text for rid, (text, _) in zip(order, prepared)}
     done: dict[str, FinishedRequest] = {}
-    total = sum(p.max_tokens for p in sampling_params)
+    limit = int(self.cfg.max_target_length)
+    total = sum(
+        prompt_checks.num_generatable_tokens(len(ids), p.max_tokens, limit)
+        for (_, ids), p in zip(prepared, sampling_params)
+    )
     with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=not use_tqdm) as progress:
       while self.engine.has_unfinished_requests():
         before = self.engine.stats.generated_tokens

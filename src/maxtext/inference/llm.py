@@ -101,13 +101,32 @@ class LLM:
         prompt_checks.num_generatable_tokens(len(ids), p.max_tokens, limit)
         for (_, ids), p in zip(prepared, sampling_params)
     )
-    with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=not use_tqdm) as progress:
-      while self.engine.has_unfinished_requests():
-        before = self.engine.stats.generated_tokens
-        for finished in self.engine.step():
-          done[finished.request_id] = finished
-        progress.update(self.engine.stats.generated_tokens - before)
+    try:
+      with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=not use_tqdm) as progress:
+        while self.engine.has_unfinished_requests():
+          before = self.engine.stats.generated_tokens
+          for finished in self.engine.step():
+            done[finished.request_id] = finished
+          progress.update(self.engine.stats.generated_tokens - before)
+    except BaseException:
+      self._abort_unfinished(order, done)
+      raise
     return [self._output(done[rid], texts[rid]) for rid in order]
+
+  def abort_request(self, request_id: str) -> None:
+    """Aborts a request of the engine (see `LLMEngine.abort_request`); `generate` reports it as "abort".
+
+    Raises:
+      ValueError: no unfinished request has this id.
+    """
+    self.engine.abort_request(request_id)
+
+  def _abort_unfinished(self, order: Sequence[str], done: dict[str, FinishedRequest]) -> None:
+    """After an interrupted call (Ctrl-C, an error in a step): frees the call's unfinished requests' caches."""
+    for rid in order:
+      if rid not in done and self.engine.scheduler.is_unfinished(rid):
+        self.engine.abort_request(rid)
+    logger.info("generate interrupted: aborted its unfinished requests")
 
   def _output(self, finished: FinishedRequest, prompt: str | None) -> RequestOutput:
     completion = CompletionOutput(

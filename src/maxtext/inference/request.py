@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
+FINISH_ABORT = "abort"
 
 
 class RequestStatus(enum.Enum):
@@ -37,7 +38,7 @@ class Request:
       request restarts from 0 and recomputes prompt + outputs.
     status: lifecycle status.
     arrival_index: order of `Scheduler.add_request` calls (FCFS and "newest" for preemption); -1 until added.
-    finish_reason: "length" or "stop" once finished.
+    finish_reason: "length", "stop" or "abort" once finished.
     num_preemptions: how many times the request was preempted.
   """
 

@@ -12,6 +12,7 @@ Derived values (added to the loaded config):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -129,6 +130,9 @@ def validate(values: Mapping[str, Any]) -> None:
   Raises:
     ConfigError: naming the key, the value given and what must hold.
   """
+  for key, value in values.items():
+    if isinstance(value, float) and not math.isfinite(value):  # NaN would pass every `<` check below
+      raise _fail(key, value, "must be a finite number")
   for key, choices in _CHOICES.items():
     if values[key] not in choices:
       raise _fail(key, values[key], f"must be one of {', '.join(choices)}")

@@ -57,14 +57,16 @@ def read_yaml(path: str) -> dict[str, Any]:
     text = raw.decode("utf-8")
   except UnicodeDecodeError as e:
     raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
-  loader = _StrictLoader(text)
-  loader.name = path
+  loader = None
   try:
+    loader = _StrictLoader(text)  # its reader already rejects non-printable characters
+    loader.name = path
     data = loader.get_single_data()
   except yaml.YAMLError as e:
     raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
   finally:
-    loader.dispose()
+    if loader is not None:
+      loader.dispose()
   if data is None:
     return {}
   if not isinstance(data, dict):

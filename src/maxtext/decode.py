@@ -106,6 +106,11 @@ def cap_max_new_tokens(
 
   Generation stops at max_target_length anyway (the API's documented rule, finish reason "length"); the CLI says
   so in one line instead of silently showing a progress bar for tokens that will never be generated.
+
+  Args:
+    cfg: the loaded config (max_target_length).
+    params: the sampling params from `sampling_params_from_config`.
+    num_prompt_tokens: the prompt's length in tokens (bos included).
   """
   reachable = prompt_checks.num_generatable_tokens(num_prompt_tokens, params.max_tokens, cfg.max_target_length)
   if reachable >= params.max_tokens or reachable < 1:  # < 1: the scheduler reports the too-long prompt
@@ -149,8 +154,12 @@ def _print_usage() -> int:
 
 def _silence_stdout() -> None:
   """Points stdout at /dev/null, so the interpreter's final flush cannot raise BrokenPipeError again."""
+  try:
+    fileno = sys.stdout.fileno()
+  except (OSError, ValueError, AttributeError):  # a replaced stdout (e.g. captured) has no descriptor to redirect
+    return
   devnull = os.open(os.devnull, os.O_WRONLY)
-  os.dup2(devnull, sys.stdout.fileno())
+  os.dup2(devnull, fileno)
   os.close(devnull)
 
 

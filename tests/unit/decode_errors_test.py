@@ -99,3 +99,13 @@ def test_os_errors_are_user_errors(capsys, monkeypatch, error):
   monkeypatch.setattr(decode, "run", failing)
   assert decode.main([BASE]) == 2
   assert _error_line(capsys) == str(error)
+
+
+def test_broken_pipe_exits_1_without_an_error_line(capsys, monkeypatch):
+  def reader_gone(argv):
+    del argv
+    raise BrokenPipeError(32, "Broken pipe")
+
+  monkeypatch.setattr(decode, "run", reader_gone)
+  assert decode.main([BASE]) == 1
+  assert capsys.readouterr().err == ""

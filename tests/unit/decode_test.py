@@ -143,7 +143,7 @@ def test_help_prints_the_usage_and_exits_0(capsys, flag):
         (["/nonexistent/base.yml"], r"config file '/nonexistent/base.yml' does not exist"),
         ([BASE, "max_target_length=4"], r"the prompt has 10 tokens but must be shorter than max_target_length=4"),
         ([BASE, "prompt="], r"prompt is empty: set prompt=\.\.\. or prompt_token_ids=\[\.\.\.\]"),
-        ([BASE, "max_new_tokens=0"], r"SamplingParams.max_tokens must be >= 1, got 0"),
+        ([BASE, "max_new_tokens=0"], r"max_new_tokens=0: must be > 0"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, args, message):

@@ -13,7 +13,9 @@ Load it with `load_converted_config(OUT, **overrides)` (or pass the YAML's keys 
 import argparse
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -48,7 +50,8 @@ def convert(
 
   Args:
     hf_model_path: local folder with config.json and safetensors.
-    output_dir: folder to create (it must not already hold a converted checkpoint).
+    output_dir: folder to create (it must not already hold a converted checkpoint). Everything is written into
+      a temporary sibling folder first and renamed into place at the end, so a failure leaves nothing behind.
     weight_dtype: parameter dtype of the checkpoint (float32 | bfloat16).
     progress: show a tqdm progress bar on stderr while reading the safetensors.
 
@@ -64,20 +67,49 @@ def convert(
   params_dir = os.path.join(out, PARAMS_DIR)
   if os.path.exists(params_dir) or os.path.exists(os.path.join(out, MODEL_CONFIG_FILE)):
     raise FileExistsError(f"output_dir {out!r} already holds a converted checkpoint; choose an empty folder")
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise FileExistsError(f"output_dir {out!r} is a file; choose a folder")
   keys = hf_config.hf_config_to_overrides(hf_config.read_hf_config(source))
   keys["weight_dtype"] = weight_dtype
   cfg = hf.load_hf_config(source, weight_dtype=weight_dtype)
   params = hf.load_hf_params(source, cfg, progress=progress)
-  os.makedirs(out, exist_ok=True)
-  orbax.save_params(params_dir, params)
-  del params
   keys["load_parameters_path"] = params_dir
   keys["tokenizer_path"] = source
-  with open(os.path.join(out, MODEL_CONFIG_FILE), "w", encoding="utf-8") as f:
-    f.write(f"# Converted from {source} by maxtext.checkpoint.convert; model keys of configs/base.yml.\n")
-    yaml.safe_dump(keys, f, sort_keys=False)
+  parent = os.path.dirname(out)
+  os.makedirs(parent, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.converting-", dir=parent)
+  try:
+    orbax.save_params(os.path.join(staging, PARAMS_DIR), params)
+    del params
+    with open(os.path.join(staging, MODEL_CONFIG_FILE), "w", encoding="utf-8") as f:
+      f.write(f"# Converted from {source} by maxtext.checkpoint.convert; model keys of configs/base.yml.\n")
+      yaml.safe_dump(keys, f, sort_keys=False)
+    _publish(staging, out)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
   logger.info("converted %s -> %s", source, out)
   return keys
+
+
+def _publish(staging: str, out: str) -> None:
+  """Moves a finished conversion from `staging` to `out` by renames, so `out` never holds half a checkpoint.
+
+  A missing `out` is one rename of the whole folder. An existing folder (without a checkpoint) gets params/
+  first and maxtext_model.yml last, the file that marks the folder as converted; a failure in between takes
+  params/ back out.
+  """
+  if not os.path.exists(out):
+    os.rename(staging, out)
+    return
+  params_dir = os.path.join(out, PARAMS_DIR)
+  os.rename(os.path.join(staging, PARAMS_DIR), params_dir)
+  try:
+    os.rename(os.path.join(staging, MODEL_CONFIG_FILE), os.path.join(out, MODEL_CONFIG_FILE))
+  except BaseException:
+    shutil.rmtree(params_dir, ignore_errors=True)
+    raise
+  os.rmdir(staging)
 
 
 def load_converted_config(output_dir: str | os.PathLike, **overrides: Any) -> ml_collections.FrozenConfigDict:

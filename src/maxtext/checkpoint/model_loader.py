@@ -1,6 +1,7 @@
 """Build a model from a config: from an Orbax checkpoint, a Hugging Face folder, or random initialisation."""
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,6 +10,8 @@ from flax import nnx
 
 from maxtext.checkpoint import hf, orbax
 from maxtext.configs import load_config
+from maxtext.configs.errors import ConfigError
+from maxtext.configs.loader import DEFAULT_MODEL_NAME
 from maxtext.models import Transformer, abstract_model, assign_params
 
 logger = logging.getLogger(__name__)
@@ -46,10 +49,31 @@ def load_run_config(argv: Sequence[str] = (), **overrides: Any) -> ml_collection
   set), then `argv`'s `key=value` items and `overrides`.
 
   Raises:
-    ConfigError: a bad key or value; FileNotFoundError: `hf_model_path` has no config.json;
+    ConfigError: a bad key or value, `hf_model_path` together with `model_name` (both name the model), or
+      `hf_model_path` a file; FileNotFoundError: `hf_model_path` has no config.json;
     NotImplementedError: an unsupported Hugging Face architecture.
   """
   cfg = load_config(argv, **overrides)
   if not cfg.hf_model_path:
     return cfg
+  check_hf_model_source(cfg)
   return hf.load_hf_config(cfg.hf_model_path, argv, **overrides)
+
+
+def check_hf_model_source(cfg: ml_collections.FrozenConfigDict) -> None:
+  """Raises when `hf_model_path` cannot be the model's source: a file, or set together with `model_name`.
+
+  Raises:
+    ConfigError: naming both keys, or saying the path is not a folder.
+  """
+  path = cfg.hf_model_path
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ConfigError(
+        f"hf_model_path={path!r} is a file, not a folder; give the Hugging Face folder holding config.json,"
+        " *.safetensors and tokenizer.json"
+    )
+  if cfg.model_name != DEFAULT_MODEL_NAME:
+    raise ConfigError(
+        f"hf_model_path={path!r} and model_name={cfg.model_name!r} both name the model; set one (the model keys"
+        " come from the folder's config.json, so model_name would be ignored)"
+    )

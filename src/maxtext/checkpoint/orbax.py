@@ -8,6 +8,7 @@ and dtype against the model before any array is read (Orbax itself would silentl
     model = restore_model("/ckpt/params", cfg)
 """
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping
@@ -24,6 +25,7 @@ from maxtext.models import Transformer, abstract_model, assign_params, get_flat_
 logger = logging.getLogger(__name__)
 
 _MAX_LISTED = 5
+_PYTREE_METADATA = "_METADATA"  # written by Orbax's StandardCheckpointer beside the array data
 
 
 def _listing(names: list[str]) -> str:
@@ -88,20 +90,54 @@ def save_params(directory: str | os.PathLike, params: nnx.Module | Mapping[str, 
   return path
 
 
+@contextlib.contextmanager
+def _quiet_absl() -> Iterator[None]:
+  """Keeps Orbax's absl WARNING lines off stderr while probing; our own error says what is wrong."""
+  absl_logger = logging.getLogger("absl")
+  level = absl_logger.level
+  absl_logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    absl_logger.setLevel(level)
+
+
+def _check_is_checkpoint(path: str) -> None:
+  """Raises unless `path` is a folder holding Orbax's pytree metadata file (checked before Orbax is asked)."""
+  if not os.path.isdir(path):
+    if os.path.exists(path):
+      raise ValueError(f"Orbax checkpoint directory {path!r} is a file, not a folder")
+    raise FileNotFoundError(f"Orbax checkpoint directory {path!r} does not exist")
+  if os.path.isfile(os.path.join(path, _PYTREE_METADATA)):
+    return
+  hint = ""
+  nested = os.path.join(path, "params")
+  if os.path.isfile(os.path.join(nested, _PYTREE_METADATA)):
+    hint = f"; it holds a converted checkpoint, so point at its parameters: {nested!r}"
+  raise ValueError(f"{path!r} is not an Orbax parameter checkpoint (it has no {_PYTREE_METADATA} file){hint}")
+
+
 def checkpoint_param_shapes(directory: str | os.PathLike) -> dict[str, jax.ShapeDtypeStruct]:
   """Canonical name -> shape and dtype of every array in an Orbax parameter checkpoint (reads metadata only).
 
   Raises:
     FileNotFoundError: the directory does not exist.
-    ValueError: the directory is not an Orbax checkpoint.
+    ValueError: the path is a file, or the directory is not an Orbax checkpoint (or its metadata is unreadable).
   """
   path = os.path.abspath(os.fspath(directory))
-  if not os.path.isdir(path):
-    raise FileNotFoundError(f"Orbax checkpoint directory {path!r} does not exist")
-  metadata = ocp.StandardCheckpointer().metadata(path).item_metadata
+  _check_is_checkpoint(path)
+  try:
+    with _quiet_absl():
+      metadata = ocp.StandardCheckpointer().metadata(path).item_metadata
+  except (OSError, ValueError, TypeError, KeyError) as e:
+    raise ValueError(
+        f"Orbax checkpoint {path!r} has unreadable metadata ({type(e).__name__}: {' '.join(str(e).split())})"
+    ) from e
   tree = getattr(metadata, "tree", None)
   if not isinstance(tree, Mapping) or not tree:
-    raise ValueError(f"{path!r} is not an Orbax parameter checkpoint (no array metadata found)")
+    raise ValueError(
+        f"Orbax checkpoint {path!r} has no readable array metadata (truncated, or not written by save_params)"
+    )
   return {name: jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype) for name, meta in _flatten(tree)}
 
 

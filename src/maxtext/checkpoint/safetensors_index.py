@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,14 @@ class SafetensorsIndex(contextlib.AbstractContextManager):
   def _open(self, path: str, framework: str) -> Any:
     key = (path, framework)
     if key not in self._handles:
-      self._handles[key] = self._stack.enter_context(safe_open(path, framework=framework))
+      try:
+        handle = safe_open(path, framework=framework)
+      except SafetensorError as e:
+        raise ValueError(
+            f"{os.path.basename(path)} in {self.folder!r} is not a readable safetensors file (truncated or"
+            f" corrupt?): {e}"
+        ) from None
+      self._handles[key] = self._stack.enter_context(handle)
     return self._handles[key]
 
   def read(self, key: str) -> np.ndarray:

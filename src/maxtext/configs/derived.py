@@ -12,6 +12,7 @@ Derived values (added to the loaded config):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,6 +62,7 @@ _POSITIVE = (
     "ici_data_parallelism",
     "ici_expert_parallelism",
     "rope_original_max_position_embeddings",
+    "max_new_tokens",
 )
 _NON_NEGATIVE = (
     "sliding_window_size",
@@ -71,7 +73,6 @@ _NON_NEGATIVE = (
     "query_pre_attn_scalar",
     "attn_logits_soft_cap",
     "final_logits_soft_cap",
-    "max_new_tokens",
     "logprobs",
     "decode_sampling_temperature",
     "seed",
@@ -130,6 +131,9 @@ def validate(values: Mapping[str, Any]) -> None:
   Raises:
     ConfigError: naming the key, the value given and what must hold.
   """
+  for key, value in values.items():
+    if isinstance(value, float) and not math.isfinite(value):  # NaN would pass every `<` check below
+      raise _fail(key, value, "must be a finite number")
   for key, choices in _CHOICES.items():
     if values[key] not in choices:
       raise _fail(key, values[key], f"must be one of {', '.join(choices)}")

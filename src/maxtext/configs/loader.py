@@ -47,18 +47,25 @@ def read_yaml(path: str) -> dict[str, Any]:
   """Reads a YAML mapping, rejecting duplicate keys.
 
   Raises:
-    ConfigError: the file is missing, is not valid YAML, or is not a mapping.
+    ConfigError: the file is missing, is not UTF-8 text, is not valid YAML, or is not a mapping.
   """
   if not os.path.isfile(path):
     raise ConfigError(f"config file {path!r} does not exist")
-  with open(path, encoding="utf-8") as f:
-    loader = _StrictLoader(f)
+  with open(path, "rb") as f:
+    raw = f.read()
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+  loader = None
+  try:
+    loader = _StrictLoader(text)  # its reader already rejects non-printable characters
     loader.name = path
-    try:
-      data = loader.get_single_data()
-    except yaml.YAMLError as e:
-      raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
-    finally:
+    data = loader.get_single_data()
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+  finally:
+    if loader is not None:
       loader.dispose()
   if data is None:
     return {}

@@ -42,6 +42,7 @@ class EngineStats:
   generated_tokens: int = 0
   scheduled_tokens: int = 0
   preemptions: int = 0
+  aborted_requests: int = 0
   wall_time_s: float = 0.0
 
   def as_dict(self) -> dict[str, Any]:
@@ -106,6 +107,7 @@ class LLMEngine:
     self.sampler = Sampler(cfg.seed)
     self.stats = EngineStats()
     self._logprobs: dict[str, list[TokenLogprobs]] = {}
+    self._aborted: list[FinishedRequest] = []
     self._next_id = 0
     graphdef, self.state = nnx.split(self.model)
 
@@ -159,6 +161,28 @@ class LLMEngine:
     self.stats.prompt_tokens += request.num_prompt_tokens
     return request.request_id
 
+  def abort_request(self, request_id: str) -> None:
+    """Stops a waiting or running request now; its blocks and state slot return to their pools at once.
+
+    The other requests are not touched, so their tokens are what they would have been without it. The aborted
+    request is reported by the next `step()` call with finish reason "abort" and the tokens it had generated.
+
+    Raises:
+      ValueError: no unfinished request has this id.
+    """
+    request = self.scheduler.abort_request(request_id)
+    self.stats.aborted_requests += 1
+    self._aborted.append(self._finished(request))
+
+  def _finished(self, r: Request) -> FinishedRequest:
+    return FinishedRequest(
+        request_id=r.request_id,
+        prompt_token_ids=tuple(r.prompt_token_ids),
+        output_token_ids=tuple(r.output_token_ids),
+        logprobs=tuple(self._logprobs.pop(r.request_id)) if r.request_id in self._logprobs else None,
+        finish_reason=r.finish_reason,
+    )
+
   def _zero_slots(self, slots: Sequence[int]) -> None:
     if not slots:
       return
@@ -167,13 +191,14 @@ class LLMEngine:
       self.kv_caches[s] = tuple(state.at[index].set(0) for state in self.kv_caches[s])
 
   def step(self) -> list[FinishedRequest]:
-    """Runs one model step; returns the requests that finished in it."""
+    """Runs one model step; returns the requests that finished in it (first those aborted since the last step)."""
     start = time.perf_counter()
+    aborted, self._aborted = self._aborted, []
     out = self.scheduler.schedule()
     self.stats.preemptions += len(out.preempted_request_ids)
     self._zero_slots(out.slots_to_zero)
     if out.is_empty:
-      return []
+      return aborted
     batch = build_batch(self.cfg, out, self.manager)
     metadata = make_attention_metadata(batch)
     input_ids = jnp.asarray(batch.input_ids)
@@ -197,20 +222,11 @@ class LLMEngine:
     self.stats.scheduled_tokens += out.num_scheduled_tokens
     self.stats.generated_tokens += len(sampled)
     self.stats.wall_time_s += time.perf_counter() - start
-    return [
-        FinishedRequest(
-            request_id=r.request_id,
-            prompt_token_ids=tuple(r.prompt_token_ids),
-            output_token_ids=tuple(r.output_token_ids),
-            logprobs=tuple(self._logprobs.pop(r.request_id)) if r.request_id in self._logprobs else None,
-            finish_reason=r.finish_reason,
-        )
-        for r in finished
-    ]
+    return aborted + [self._finished(r) for r in finished]
 
   def has_unfinished_requests(self) -> bool:
-    """Whether any request is still waiting or running."""
-    return self.scheduler.has_unfinished_requests()
+    """Whether any request is still waiting or running, or an abort is not yet reported by `step()`."""
+    return self.scheduler.has_unfinished_requests() or bool(self._aborted)
 
   def all_free(self) -> bool:
     """Leak check: every block and state slot is back in its pool."""

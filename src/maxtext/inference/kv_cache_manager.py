@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -517,6 +517,40 @@ class KVCacheManager:
     """Leak check: no request holds anything and every block and state slot is free."""
     slots_free = self._slot_pool is None or self._slot_pool.num_used == 0
     return not self._tables and slots_free and all(p.num_used == 0 for p in self._pools.values())
+
+  def check_consistency(self, live_request_ids: Collection[str]) -> None:
+    """Checks the allocation bookkeeping against the requests that should hold caches (a debugging aid).
+
+    Holds when: exactly `live_request_ids` hold tables; every block a table names has a reference count equal to
+    the number of table entries naming it, and every other block is free; no state slot is held by two requests,
+    and the slot pool's used slots are exactly the requests' slots.
+
+    Raises:
+      AssertionError: naming the first broken invariant (a leak, a double reference or a shared slot).
+    """
+    holders = set(self._tables)
+    if holders != set(live_request_ids):
+      raise AssertionError(
+          f"requests holding caches {sorted(holders)} differ from the live requests {sorted(live_request_ids)}"
+      )
+    for gid, pool in self._pools.items():
+      counts: dict[int, int] = {}
+      for table in (tables[gid] for tables in self._tables.values()):
+        for block in table:
+          if block != NULL_BLOCK:
+            counts[block] = counts.get(block, 0) + 1
+      for block in range(1, pool.num_blocks):
+        if pool.refcount(block) != counts.get(block, 0):
+          raise AssertionError(
+              f"{self.groups[gid].describe()}: block {block} has reference count {pool.refcount(block)} but"
+              f" {counts.get(block, 0)} block-table entries"
+          )
+    slots = list(self._state_slots.values())
+    if len(set(slots)) != len(slots):
+      raise AssertionError(f"a state slot is held by two requests: {self._state_slots}")
+    used = 0 if self._slot_pool is None else self._slot_pool.num_used
+    if used != len(slots) or (self._slot_pool is not None and set(self._state_slots) != holders):
+      raise AssertionError(f"{used} state slots are in use but requests hold {sorted(slots)}")
 
   def _request_tables(self, request_id: str) -> dict[int, list[int]]:
     if request_id not in self._tables:

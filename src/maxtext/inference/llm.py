@@ -11,6 +11,7 @@ import ml_collections
 from tqdm import tqdm
 
 from maxtext.checkpoint import load_run_config
+from maxtext.inference import prompts as prompt_checks
 from maxtext.inference.engine import FinishedRequest, LLMEngine
 from maxtext.inference.sampler import TokenLogprobs
 from maxtext.inference.sampling_params import SamplingParams
@@ -71,11 +72,10 @@ class LLM:
     self.engine = LLMEngine(self.cfg, eos_token_id=self.tokenizer.eos_token_id)
 
   def _prompt_ids(self, prompt: Any, index: int) -> tuple[str | None, list[int]]:
+    prompt_checks.check_prompt(prompt, f"prompts[{index}]")
     if isinstance(prompt, str):
       return prompt, self.tokenizer.encode(prompt, add_bos=True)
-    if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-      return None, list(prompt)
-    raise TypeError(f"prompts[{index}] must be a string or a list of token ids, got {type(prompt).__name__}")
+    return None, [int(t) for t in prompt]
 
   def generate(
       self,
@@ -86,17 +86,25 @@ class LLM:
   ) -> list[RequestOutput]:
     """Generates a completion for every prompt (strings or lists of token ids), in prompt order.
 
+    `SamplingParams.max_tokens` is an upper bound: a request also stops when prompt + output reaches
+    `max_target_length` (finish reason "length"), so a larger `max_tokens` is not an error; the progress bar counts
+    the tokens that can actually be generated.
+
     Raises:
-      TypeError: a prompt is neither a string nor a list of ints.
-      ValueError: a list of SamplingParams whose length is not the number of prompts, or a prompt the scheduler
-        rejects (too long, empty, token ids outside the vocabulary). Either way no request of the call is queued.
+      TypeError: `prompts` is not a string, a list of token ids or a list of those (bytes, None, a number), a
+        prompt holds a non-int token, or `sampling_params` holds something other than SamplingParams.
+      ValueError: an empty prompt (`""` or `[]`), text that is not valid UTF-8, a list of SamplingParams whose
+        length is not the number of prompts, or a prompt the scheduler rejects (too long, token ids outside the
+        vocabulary). In every case no request of the call is queued and running requests are not disturbed.
     """
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-      prompts = [prompts]
+    prompts = prompt_checks.normalize_prompts(prompts)
     if sampling_params is None:
       sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
       sampling_params = [sampling_params] * len(prompts)
+    if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, (str, bytes)):
+      raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
+    prompt_checks.check_sequence_of(sampling_params, SamplingParams, "sampling_params")
     if len(sampling_params) != len(prompts):
       raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; give one or one each")
     # Every prompt is converted and checked before any is queued, so a bad one leaves no request behind.
@@ -104,14 +112,37 @@ class LLM:
     order = self.engine.add_requests([(ids, params) for (_, ids), params in zip(prepared, sampling_params)])
     texts = {rid: text for rid, (text, _) in zip(order, prepared)}
     done: dict[str, FinishedRequest] = {}
-    total = sum(p.max_tokens for p in sampling_params)
-    with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=not use_tqdm) as progress:
-      while self.engine.has_unfinished_requests():
-        before = self.engine.stats.generated_tokens
-        for finished in self.engine.step():
-          done[finished.request_id] = finished
-        progress.update(self.engine.stats.generated_tokens - before)
+    limit = int(self.cfg.max_target_length)
+    total = sum(
+        prompt_checks.num_generatable_tokens(len(ids), p.max_tokens, limit)
+        for (_, ids), p in zip(prepared, sampling_params)
+    )
+    try:
+      with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=not use_tqdm) as progress:
+        while self.engine.has_unfinished_requests():
+          before = self.engine.stats.generated_tokens
+          for finished in self.engine.step():
+            done[finished.request_id] = finished
+          progress.update(self.engine.stats.generated_tokens - before)
+    except BaseException:
+      self._abort_unfinished(order, done)
+      raise
     return [self._output(done[rid], texts[rid]) for rid in order]
+
+  def abort_request(self, request_id: str) -> None:
+    """Aborts a request of the engine (see `LLMEngine.abort_request`); `generate` reports it as "abort".
+
+    Raises:
+      ValueError: no unfinished request has this id.
+    """
+    self.engine.abort_request(request_id)
+
+  def _abort_unfinished(self, order: Sequence[str], done: dict[str, FinishedRequest]) -> None:
+    """After an interrupted call (Ctrl-C, an error in a step): frees the call's unfinished requests' caches."""
+    for rid in order:
+      if rid not in done and self.engine.scheduler.is_unfinished(rid):
+        self.engine.abort_request(rid)
+    logger.info("generate interrupted: aborted its unfinished requests")
 
   def _output(self, finished: FinishedRequest, prompt: str | None) -> RequestOutput:
     completion = CompletionOutput(

@@ -10,6 +10,7 @@ from maxtext.inference.sampling_params import SamplingParams
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
+FINISH_ABORT = "abort"
 
 
 class RequestStatus(enum.Enum):
@@ -34,7 +35,7 @@ class Request:
       request restarts from 0 and recomputes prompt + outputs.
     status: lifecycle status.
     arrival_index: order of `Scheduler.add_request` calls (FCFS and "newest" for preemption); -1 until added.
-    finish_reason: "length" or "stop" once finished.
+    finish_reason: "length", "stop" or "abort" once finished.
     num_preemptions: how many times the request was preempted.
   """
 

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from maxtext.inference.kv_cache_manager import KVCacheManager
-from maxtext.inference.request import FINISH_LENGTH, FINISH_STOP, Request, RequestStatus
+from maxtext.inference.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,10 @@ class Scheduler:
     """Whether any request is waiting or running."""
     return bool(self.waiting or self.running)
 
+  def is_unfinished(self, request_id: str) -> bool:
+    """Whether a request with this id is waiting or running."""
+    return request_id in self._active_ids
+
   @property
   def num_unfinished_requests(self) -> int:
     """Waiting plus running requests."""
@@ -246,6 +250,34 @@ class Scheduler:
         f" {manager.num_free_state_slots()} free state slots); raise num_kv_blocks, or lower max_num_batched_tokens"
         " for sliding-window groups"
     )
+
+  def abort_request(self, request_id: str) -> Request:
+    """Finishes an unfinished request now (reason "abort"), returning its blocks and state slot at once.
+
+    Call it between steps (after `update_from_output`, before the next `schedule`); the other requests are not
+    touched, so their tokens do not change. A released state slot is zeroed before the next step, as for any
+    finished request.
+
+    Returns:
+      The aborted request (its generated tokens so far are kept).
+
+    Raises:
+      ValueError: no unfinished request has this id (never added, already finished or aborted).
+    """
+    if request_id not in self._active_ids:
+      raise ValueError(f"request {request_id!r}: no unfinished request has this id (never added, or already finished)")
+    request = next((r for r in self.running if r.request_id == request_id), None)
+    if request is not None:
+      self._finish(request, FINISH_ABORT)
+      return request
+    request = next(r for r in self.waiting if r.request_id == request_id)
+    self.waiting.remove(request)
+    # A waiting request holds nothing: a new one never allocated, a preempted one freed everything.
+    assert not self.kv_cache_manager.has_request(request_id), request_id
+    self._active_ids.discard(request_id)
+    request.status = RequestStatus.FINISHED
+    request.finish_reason = FINISH_ABORT
+    return request
 
   # ------------------------------------------------------------------ results
   def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:

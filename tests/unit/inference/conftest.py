@@ -258,3 +258,9 @@ def fixture_run(make_specs):
 def fixture_reference():
   """`reference(prompt, params, max_target_length, has_recurrent, eos_token_id=None) -> (tokens, reason)`."""
   return reference_generate
+
+
+@pytest.fixture(name="paged_fake_model")
+def fixture_paged_fake_model():
+  """The `PagedFakeModel` class: `PagedFakeModel(manager).step(batch, slots_to_zero) -> {request id: token}`."""
+  return PagedFakeModel

@@ -302,3 +302,28 @@ def test_construction_errors(configs, make_specs, spec_types):
   gemma_specs["layer.2"] = attention_spec("full_attention", 32, 2, 16, "float32", None)
   with pytest.raises(ValueError, match="needs one block size: layer.0 has block_size 16 but layer.2 has 32"):
     KVCacheManager(gemma, gemma_specs, {})
+
+
+def test_check_consistency_passes_on_real_bookkeeping_and_names_a_leak(configs, make_specs):
+  manager = _manager(configs["qwen3_next"](block_size=4, num_kv_blocks=16), make_specs)
+  assert manager.allocate_slots("a", 0, 9) and manager.allocate_slots("b", 0, 3)
+  manager.check_consistency({"a", "b"})
+  with pytest.raises(AssertionError, match=r"requests holding caches \['a', 'b'\] differ from the live requests \['a'\]"):
+    manager.check_consistency({"a"})  # "b" finished without being freed: a leak
+  manager.free("b")
+  manager.check_consistency({"a"})
+
+
+def test_check_consistency_finds_a_block_or_state_slot_held_twice(configs, make_specs):
+  manager = _manager(configs["qwen3_next"](block_size=4, num_kv_blocks=16), make_specs)
+  assert manager.allocate_slots("a", 0, 4) and manager.allocate_slots("b", 0, 4)
+  # Corrupt the books on purpose: b's table names a's block, then b holds a's state slot.
+  tables = manager._tables  # pylint: disable=protected-access  # the invariant check must see broken books
+  tables["b"][1][0] = tables["a"][1][0]
+  with pytest.raises(AssertionError, match=r"group 1 .*: block 1 has reference count 1 but 2 block-table entries"):
+    manager.check_consistency({"a", "b"})
+  tables["b"][1][0] = 2
+  slots = manager._state_slots  # pylint: disable=protected-access  # as above
+  slots["b"] = slots["a"]
+  with pytest.raises(AssertionError, match=r"a state slot is held by two requests"):
+    manager.check_consistency({"a", "b"})

@@ -126,8 +126,8 @@ def test_sampling_params_count_must_match_the_prompts(llm):
     "prompts, match",
     [
         ([1.5], r"prompts\[0\] must be a string or a list of token ids, got float"),
-        ([[1, 2], [3, "4"]], r"prompts\[1\] must be a string or a list of token ids, got list"),
-        ([[True, False]], r"prompts\[0\] must be a string or a list of token ids, got list"),
+        ([[1, 2], [3, "4"]], r"prompts\[1\]\[1\] must be an int token id, got str '4'"),
+        ([[True, False]], r"prompts\[0\]\[0\] must be an int token id, got bool True"),
         ([None], r"prompts\[0\] must be a string or a list of token ids, got NoneType"),
     ],
 )
@@ -140,7 +140,7 @@ def test_a_prompt_that_is_neither_text_nor_token_ids_is_a_type_error(llm, prompt
 @pytest.mark.parametrize(
     "prompts, match",
     [
-        ([[]], r"request '\d+': the prompt is empty; it needs at least one token"),
+        ([[]], r"prompts\[0\] is empty; a prompt needs at least one token"),
         ([[1, 2, 512]], r"prompt token 512 must be an int in \[0, vocab_size=512\)"),
         ([list(range(3, 40))], r"the prompt has 37 tokens but must be shorter than max_target_length=32"),
     ],

@@ -688,3 +688,111 @@ def test_resolve_logs_the_resolved_map_at_debug_level(caplog):
   with caplog.at_level("DEBUG", logger=hcu.__name__):
     hcu.resolve_layer_kv_cache_indices(_pairs(QWEN35_RUNNER_SLOTS), 8, 8)
   assert "layer_name_to_kvcache_index: 8 layers -> 8 kv_caches slots (0, 1, 2, 6, 3, 4, 5, 7)" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Properties: valid maps with drafter entries resolve exactly; every single corruption is rejected with its own
+# message (never an IndexError, never a wrong answer)
+
+
+@st.composite
+def _valid_maps(draw):
+  """(entries in a random order, num_layers, num_slots, expected slots): sharing, unused slots, drafter entries.
+
+  Drafter entries are named `draft_layer.<i>` (canonical decimal, any i) and carry any integer slot, NumPy ones
+  included: the resolver type-checks them and ignores them.
+  """
+  num_slots, slots = draw(_maps())
+  num_layers = len(slots)
+  int_types = st.sampled_from([int, np.int32, np.int64, np.uint16])
+  entries = [(f"layer.{layer}", draw(int_types)(slot)) for layer, slot in enumerate(slots)]
+  drafts = draw(st.lists(st.integers(0, 40), unique=True, max_size=4))
+  entries += [(f"draft_layer.{i}", draw(int_types)(draw(st.integers(0, 200)))) for i in drafts]
+  return draw(st.permutations(entries)), num_layers, num_slots, slots
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(case=_valid_maps(), as_dict=st.booleans())
+def test_property_valid_maps_with_drafter_entries_resolve_exactly(case, as_dict):
+  entries, num_layers, num_slots, slots = case
+  layer_map = dict(entries) if as_dict else tuple(entries)
+  resolved = hcu.resolve_layer_kv_cache_indices(layer_map, num_layers, num_slots)
+  assert resolved == slots
+  assert all(type(slot) is int for slot in resolved)  # pylint: disable=unidiomatic-typecheck  # not np.int64
+
+
+def _corrupt_name(layer, kind):
+  return {
+      "leading_zero": f"layer.0{layer}",
+      "sign": f"layer.+{layer}",
+      "space": f"layer. {layer}",
+      "upper": f"Layer.{layer}",
+      "suffix": f"layer.{layer}.0",
+      "draft_leading_zero": f"draft_layer.0{layer}",
+  }[kind]
+
+
+_CORRUPTIONS = ["gap", "duplicate", "bad_name", "non_str_name", "bad_slot_type", "out_of_range", "extra_layer"]
+
+
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(case=_valid_maps(), kind=st.sampled_from(_CORRUPTIONS), data=st.data())
+def test_property_each_corruption_is_rejected_with_its_message(case, kind, data):
+  entries, num_layers, num_slots, _ = case
+  hypothesis.assume(num_layers > 0)
+  entries = list(entries)
+  layer_positions = [i for i, (name, _) in enumerate(entries) if name.startswith("layer.")]
+  position = data.draw(st.sampled_from(layer_positions))
+  name, slot = entries[position]
+  if kind == "gap":
+    del entries[position]
+    if not entries:
+      error, match = ValueError, r"is empty but the model has \d+ layers"
+    else:
+      error, match = ValueError, rf"layers are missing: .*\b{re.escape(name)}\b"
+  elif kind == "duplicate":
+    entries.insert(data.draw(st.integers(position + 1, len(entries))), (name, data.draw(st.integers(0, num_slots - 1))))
+    error, match = ValueError, rf"{re.escape(name)} appears more than once; each layer must have exactly one slot"
+  elif kind == "bad_name":
+    style = data.draw(st.sampled_from(["leading_zero", "sign", "space", "upper", "suffix", "draft_leading_zero"]))
+    bad = _corrupt_name(int(name.split(".")[1]), style)
+    entries[position] = (bad, slot)
+    error, match = ValueError, rf"layer name must be 'layer.<i>' or 'draft_layer.<i>' .*, got {re.escape(repr(bad))}"
+  elif kind == "non_str_name":
+    bad = data.draw(st.sampled_from([int(name.split(".")[1]), None, name.encode(), (name,)]))
+    entries[position] = (bad, slot)
+    error, match = TypeError, r"layer name must be a str such as 'layer.0', got "
+  elif kind == "bad_slot_type":
+    bad = data.draw(
+        st.sampled_from([True, False, float(slot), str(int(slot)), None, np.float32(slot), np.bool_(True), np.array(1)])
+    )
+    entries[position] = (name, bad)
+    error, match = TypeError, rf"kv_caches index of {re.escape(name)} must be an int, got {re.escape(type(bad).__name__)}"
+  elif kind == "out_of_range":
+    bad = data.draw(st.one_of(st.integers(num_slots, num_slots + 100), st.integers(-100, -1)))
+    entries[position] = (name, np.int64(bad) if data.draw(st.booleans()) else bad)
+    error, match = ValueError, rf"kv_caches index of {re.escape(name)} must be in \[0, {num_slots}\) .*got {bad}$"
+  else:  # extra_layer: a layer number the model does not have
+    extra = f"layer.{data.draw(st.integers(num_layers, num_layers + 50))}"
+    entries.insert(data.draw(st.integers(0, len(entries))), (extra, 0))
+    error, match = ValueError, rf"{re.escape(extra)} is not a layer of this model; layer numbers must be in \[0, "
+  with pytest.raises(error, match=match):
+    hcu.resolve_layer_kv_cache_indices(tuple(entries), num_layers, num_slots)
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(layout=_maps(), data=st.data())
+def test_property_two_writers_on_one_slot_are_rejected_naming_both(layout, data):
+  num_slots, slots = layout
+  shared = [slot for slot in set(slots) if slots.count(slot) > 1]
+  hypothesis.assume(shared)
+  slot = data.draw(st.sampled_from(sorted(shared)))
+  layers = [layer for layer, s in enumerate(slots) if s == slot]
+  writers = sorted(data.draw(st.lists(st.sampled_from(layers), min_size=2, max_size=len(layers), unique=True)))
+  kv_caches = _fake_caches(num_slots)
+  returned = hcu.gather_layer_kv_caches(kv_caches, slots)
+  for layer in writers:
+    returned[layer] = object()
+  names = ", ".join(f"layer.{layer}" for layer in writers)
+  with pytest.raises(ValueError, match=rf"different new caches were returned for kv_caches\[{slot}\] by {names}$"):
+    hcu.scatter_layer_kv_caches(kv_caches, returned, slots)

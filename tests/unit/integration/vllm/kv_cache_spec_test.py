@@ -1,9 +1,12 @@
 """Tests of the per-layer cache specs and of the slot check that runs before any kernel."""
 
+import hypothesis
 import jax.numpy as jnp
 import pytest
+from hypothesis import strategies as st
 
 from maxtext.configs import load_config
+from maxtext.integration.vllm import hybrid_cache_utils
 from maxtext.integration.vllm import kv_cache_spec as kvs
 
 
@@ -148,3 +151,31 @@ def test_wrong_number_of_caches():
   cfg = _qwen_next()
   with pytest.raises(ValueError, match=r"expected one cache per layer \(8 layers\), got 7"):
     kvs.validate_layer_caches(cfg, _caches(cfg)[:7])
+
+
+_QWEN_NEXT = _qwen_next()
+_QWEN_CACHES = _caches(_QWEN_NEXT)  # layer order: recurrent at 0-2 and 4-6, attention at 3 and 7
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(order=st.permutations(range(8)), data=st.data())
+def test_property_a_slot_of_the_other_kind_is_rejected_naming_layer_and_slot(order, data):
+  # Physical list in a random order, the runner's map resolved, then one layer pointed at a slot of the other kind.
+  physical = [_QWEN_CACHES[layer] for layer in order]
+  slot_of = {layer: order.index(layer) for layer in range(8)}
+  pairs = tuple((f"layer.{layer}", slot_of[layer]) for layer in range(8))
+  indices = hybrid_cache_utils.resolve_layer_kv_cache_indices(pairs, 8, 8)
+  kvs.validate_layer_caches(_QWEN_NEXT, hybrid_cache_utils.gather_layer_kv_caches(physical, indices), indices)
+  victim = data.draw(st.sampled_from(range(8)))
+  is_attention = _QWEN_NEXT.layer_types[victim] == "full_attention"
+  other_kind = [layer for layer in range(8) if (_QWEN_NEXT.layer_types[layer] == "full_attention") != is_attention]
+  wrong = slot_of[data.draw(st.sampled_from(other_kind))]
+  corrupted = tuple((name, wrong if name == f"layer.{victim}" else slot) for name, slot in pairs)
+  indices = hybrid_cache_utils.resolve_layer_kv_cache_indices(corrupted, 8, 8)
+  if is_attention:
+    needs, holds = "full_attention layer and needs a paged KV cache", "a recurrent state"
+  else:
+    needs, holds = "linear_attention layer and needs a recurrent state", "an array"
+  match = rf"layer.{victim} is a {needs} .* but kv_caches\[{wrong}\] holds {holds}"
+  with pytest.raises(ValueError, match=match):
+    kvs.validate_layer_caches(_QWEN_NEXT, hybrid_cache_utils.gather_layer_kv_caches(physical, indices), indices)

@@ -1,0 +1,111 @@
+"""The CLI's handling of bad input and interruptions (in-process): one line on stderr, a defined exit status.
+
+decode_test.py covers outputs and the common bad keys; this file covers the prompt and sampling rules shared with
+the API (same rule, the CLI's key name), the model-source conflicts and the exit paths of `main`.
+"""
+
+import json
+import pathlib
+
+import pytest
+
+from maxtext import decode
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BASE = str(ROOT / "configs" / "base.yml")
+RUN = [BASE, "vocab_size=259", "max_target_length=32", "num_kv_blocks=16", "block_size=8", "max_num_seqs=2"]
+
+
+def _error_line(capsys):
+  captured = capsys.readouterr()
+  assert captured.out == ""
+  lines = captured.err.splitlines()
+  assert len(lines) == 1, captured.err
+  assert lines[0].startswith("maxtext-decode: error: "), lines
+  return lines[0][len("maxtext-decode: error: ") :]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # Python hands undecodable argv bytes over as surrogate escapes (b"\xff" -> "\udcff").
+        (["prompt=ab\udcff"], "prompt is not valid UTF-8 text: byte 0xff at character 2; give UTF-8 text or token ids"),
+        (["prompt=\ud800"], "prompt is not valid UTF-8 text: lone surrogate U+D800 at character 0"),
+        (["max_new_tokens=0"], "max_new_tokens=0: must be > 0"),
+        (["max_new_tokens=-3"], "max_new_tokens=-3: must be > 0"),
+        (
+            ["hf_model_path=/nonexistent", "model_name=llama-tiny"],
+            "hf_model_path='/nonexistent' and model_name='llama-tiny' both name the model; set one",
+        ),
+    ],
+)
+def test_bad_prompt_and_sampling_keys_name_the_key(capsys, args, message):
+  assert decode.main([BASE] + args) == 2
+  assert _error_line(capsys).startswith(message)
+
+
+def test_hf_model_path_that_is_a_file_says_it_is_not_a_folder(capsys, tmp_path):
+  path = tmp_path / "model.safetensors"
+  path.write_bytes(b"\x00" * 8)
+  assert decode.main([BASE, f"hf_model_path={path}"]) == 2
+  assert _error_line(capsys).startswith(f"hf_model_path='{path}' is a file, not a folder")
+
+
+def test_max_new_tokens_beyond_max_target_length_is_said_once_and_capped(capsys):
+  # "I love" is bos + 6 bytes = 7 tokens, so max_target_length=32 leaves room for 25.
+  status = decode.main(RUN + ["prompt=I love", "max_new_tokens=100000000", "output_format=json"])
+  captured = capsys.readouterr()
+  assert status == 0, captured.err
+  warnings = [line for line in captured.err.splitlines() if line.startswith("maxtext-decode: ")]
+  assert warnings == [
+      "maxtext-decode: warning: max_new_tokens=100000000 but max_target_length=32 leaves room for 25 tokens after"
+      " the 7-token prompt; generating at most 25"
+  ]
+  (request,) = json.loads(captured.out)["requests"]
+  assert len(request["prompt_token_ids"]) == 7
+  assert len(request["output_token_ids"]) == 25 or request["finish_reason"] == "stop"
+  assert "/25" in captured.err  # the progress bar's total is what can be generated
+
+
+def test_max_new_tokens_that_fits_prints_no_warning(capsys):
+  assert decode.main(RUN + ["prompt=I love", "max_new_tokens=25", "output_format=json"]) == 0
+  assert "maxtext-decode: warning" not in capsys.readouterr().err
+
+
+def test_help_describes_the_json_shape_with_finish_reason(capsys):
+  assert decode.main(["--help"]) == 0
+  out = capsys.readouterr().out
+  assert '"prompt_token_ids", "output_token_ids", "text", "finish_reason", "logprobs"' in out
+  assert "Ctrl-C exits with status 130" in out
+
+
+def test_keyboard_interrupt_exits_130_with_one_line(capsys, monkeypatch):
+  def interrupted(argv):
+    del argv
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(decode, "run", interrupted)
+  assert decode.main([BASE]) == 130
+  captured = capsys.readouterr()
+  assert captured.err == "maxtext-decode: interrupted\n" and captured.out == ""
+
+
+@pytest.mark.parametrize("error", [PermissionError("permission denied: 'x.yml'"), IsADirectoryError("x is a dir")])
+def test_os_errors_are_user_errors(capsys, monkeypatch, error):
+  def failing(argv):
+    del argv
+    raise error
+
+  monkeypatch.setattr(decode, "run", failing)
+  assert decode.main([BASE]) == 2
+  assert _error_line(capsys) == str(error)
+
+
+def test_broken_pipe_exits_1_without_an_error_line(capsys, monkeypatch):
+  def reader_gone(argv):
+    del argv
+    raise BrokenPipeError(32, "Broken pipe")
+
+  monkeypatch.setattr(decode, "run", reader_gone)
+  assert decode.main([BASE]) == 1
+  assert capsys.readouterr().err == ""

@@ -1,0 +1,143 @@
+"""Tests of `LLMEngine` under faults: aborts mid-prefill / mid-decode / while waiting, cache exhaustion, requests
+that fail validation, and an interrupted `LLM.generate`. The reference for every request is the same request run
+alone in the same engine (nothing else queued), so only the runner's sharing of caches between requests is tested.
+"""
+
+import numpy as np
+import pytest
+
+from maxtext.configs import load_config
+from maxtext.inference import LLM, SamplingParams
+from maxtext.inference.engine import LLMEngine
+
+# Tiny shapes: one token bucket (16) and one request bucket (8), so each engine compiles its step once.
+RUNNER = {"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 4, "max_target_length": 48, "seed": 0}
+
+
+def _engine(name, **overrides):
+  return LLMEngine(load_config(model_name=name, **dict(RUNNER, **overrides)))
+
+
+def _run(engine, max_steps=500):
+  """Steps until nothing is left; returns {request id: FinishedRequest} and checks the books after every step."""
+  done = {}
+  for _ in range(max_steps):
+    if not engine.has_unfinished_requests():
+      return done
+    for finished in engine.step():
+      done[finished.request_id] = finished
+    engine.manager.check_consistency({r.request_id for r in engine.scheduler.running})
+  raise AssertionError("the engine did not finish")
+
+
+def _alone(engine, prompt, params):
+  rid = engine.add_request(prompt, params)
+  return _run(engine)[rid].output_token_ids
+
+
+def _prompts(seed, lengths):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, 512, n).tolist() for n in lengths]
+
+
+@pytest.fixture(name="hybrid", scope="module")
+def fixture_hybrid():
+  """A Qwen3.5 engine (GDN state slots + a full-attention group) with a pool small enough to preempt."""
+  return _engine("qwen3.5-tiny", num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("when", ["waiting", "mid_prefill", "mid_decode"])
+def test_abort_frees_at_once_and_leaves_the_others_unchanged(hybrid, when):
+  prompts = _prompts(1, (30, 9, 12))
+  params = SamplingParams(max_tokens=6)
+  expected = [_alone(hybrid, p, params) for p in prompts]
+  victim_prompt = _prompts(2, (26,))[0]  # 26 tokens: two prefill chunks of the 16-token budget
+  victim = hybrid.add_request(victim_prompt, SamplingParams(max_tokens=20))  # first: it starts at step 1
+  ids = [hybrid.add_request(p, params) for p in prompts]
+  steps = {"waiting": 0, "mid_prefill": 1, "mid_decode": 5}[when]
+  done = {}
+  for _ in range(steps):
+    done.update({f.request_id: f for f in hybrid.step()})
+  request = next(r for r in hybrid.scheduler.running + hybrid.scheduler.waiting if r.request_id == victim)
+  if when == "mid_prefill":
+    assert 0 < request.num_computed_tokens < request.num_prompt_tokens
+  if when == "mid_decode":
+    assert request.output_token_ids and hybrid.manager.has_request(victim)
+  held = hybrid.manager.has_request(victim)
+  free_before = hybrid.manager.num_free_blocks(1), hybrid.manager.num_free_state_slots()
+  hybrid.abort_request(victim)
+  assert not hybrid.manager.has_request(victim)
+  if held:  # its blocks and state slot are back in the pools now, not at the next step
+    assert hybrid.manager.num_free_blocks(1) > free_before[0]
+    assert hybrid.manager.num_free_state_slots() == free_before[1] + 1
+  hybrid.manager.check_consistency({r.request_id for r in hybrid.scheduler.running})
+  done.update(_run(hybrid))
+  assert done[victim].finish_reason == "abort"
+  assert done[victim].output_token_ids == tuple(request.output_token_ids)
+  assert [done[rid].output_token_ids for rid in ids] == expected
+  assert hybrid.all_free()
+
+
+def test_abort_of_an_unknown_or_finished_request_is_a_value_error(hybrid):
+  rid = hybrid.add_request([5, 6, 7], SamplingParams(max_tokens=1))
+  _run(hybrid)
+  for bad in (rid, "never-added"):
+    with pytest.raises(ValueError, match=rf"request '{bad}': no unfinished request has this id"):
+      hybrid.abort_request(bad)
+  assert hybrid.all_free()
+
+
+def test_a_request_failing_validation_does_not_disturb_running_ones(hybrid):
+  prompts = _prompts(3, (20, 7))
+  params = SamplingParams(max_tokens=5)
+  expected = [_alone(hybrid, p, params) for p in prompts]
+  ids = [hybrid.add_request(p, params) for p in prompts]
+  done = {f.request_id: f for f in hybrid.step()}
+  for bad, match in (([], "the prompt is empty"), ([5, 512], "prompt token 512"), (list(range(3, 60)), "shorter")):
+    with pytest.raises(ValueError, match=match):
+      hybrid.add_request(bad, params)
+  with pytest.raises(ValueError, match="already exists"):
+    hybrid.add_request([9], params, request_id=ids[1])
+  done.update(_run(hybrid))
+  assert [done[rid].output_token_ids for rid in ids] == expected
+  assert hybrid.all_free()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3.5-tiny", "kvshare-tiny"])
+def test_cache_exhaustion_preempts_and_every_request_matches_its_solo_run(name):
+  engine = _engine(name, num_kv_blocks=14)  # 13 usable blocks of 4 tokens; each request needs up to 10
+  prompts = _prompts(4, (22, 17, 25, 12, 19, 28))
+  params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=7)] * 3
+  expected = [_alone(engine, p, sp) for p, sp in zip(prompts, params)]
+  ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+  preemptions = engine.stats.preemptions
+  done = _run(engine)
+  assert engine.stats.preemptions > preemptions, "the pool must be small enough to force preemption"
+  assert [done[rid].output_token_ids for rid in ids] == expected
+  assert engine.all_free()
+
+
+@pytest.mark.slow
+def test_llm_abort_request_and_an_interrupted_generate_leave_nothing_behind(monkeypatch):
+  llm = LLM(model_name="qwen3.5-tiny", **dict(RUNNER, num_kv_blocks=16))
+  rid = llm.engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=30))
+  llm.engine.step()
+  llm.abort_request(rid)
+  assert llm.engine.all_free()
+  calls = []
+  real_step = llm.engine.step
+
+  def step_then_interrupt():
+    calls.append(1)
+    if len(calls) == 3:
+      raise KeyboardInterrupt
+    return real_step()
+
+  monkeypatch.setattr(llm.engine, "step", step_then_interrupt)
+  with pytest.raises(KeyboardInterrupt):
+    llm.generate([[5, 6, 7], [8, 9] * 10], SamplingParams(max_tokens=8))
+  assert not llm.engine.scheduler.has_unfinished_requests() and llm.engine.all_free()
+  monkeypatch.undo()
+  (out,) = llm.generate([[11, 12]], SamplingParams(max_tokens=3))  # the next call runs only its own request
+  assert len(out.outputs[0].token_ids) == 3 and llm.engine.stats.aborted_requests == 3

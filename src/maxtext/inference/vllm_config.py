@@ -61,11 +61,11 @@ def vllm_config_from_maxtext(cfg: ml_collections.FrozenConfigDict) -> ReferenceV
   """A vLLM-shaped config that makes the adapter rebuild exactly `cfg`.
 
   Every base.yml key goes into `additional_config["maxtext_config"]`; `load_format` is "dummy" (random weights)
-  when neither `load_parameters_path` nor `hf_model_path` is set.
+  when none of `load_parameters_path`, `hf_model_path` and `gguf_model_path` is set.
   """
   base_keys = base_key_types()
   overrides = {k: v for k, v in config_to_dict(cfg).items() if k in base_keys}
-  has_checkpoint = bool(cfg.load_parameters_path or cfg.hf_model_path)
+  has_checkpoint = bool(cfg.load_parameters_path or cfg.hf_model_path or cfg.gguf_model_path)
   return ReferenceVllmConfig(
       model_config=ModelConfig(hf_config=None, max_model_len=cfg.max_target_length),
       load_config=LoadConfig(load_format="auto" if has_checkpoint else "dummy"),

@@ -12,7 +12,7 @@ VOCAB = {"[UNK]": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "!": 5}
 
 
 def _config(**values):
-  base = {"tokenizer_path": "", "hf_model_path": "", "vocab_size": 512}
+  base = {"tokenizer_path": "", "hf_model_path": "", "gguf_model_path": "", "vocab_size": 512}
   base.update(values)
   return types.SimpleNamespace(**base)
 

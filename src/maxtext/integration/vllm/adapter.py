@@ -72,6 +72,7 @@ def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDic
   if _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT:
     overrides["load_parameters_path"] = ""
     overrides["hf_model_path"] = ""
+    overrides["gguf_model_path"] = ""
   return load_run_config(**overrides)
 
 
@@ -91,7 +92,8 @@ class MaxTextForCausalLM(nnx.Module):
       self.model = abstract_model(self.cfg)
 
   def load_weights(self, rng_key: jax.Array) -> None:
-    """Creates the parameters: random from `rng_key` (dummy), else from `load_parameters_path` or `hf_model_path`.
+    """Creates the parameters: random from `rng_key` (dummy), else from `load_parameters_path`, `hf_model_path` or
+    `gguf_model_path`.
 
     Raises:
       ValueError: real weights were asked for but neither checkpoint source is configured.
@@ -100,10 +102,10 @@ class MaxTextForCausalLM(nnx.Module):
     if self.is_dummy:
       self.model = Transformer(cfg, rngs=nnx.Rngs(params=rng_key))
       return
-    if not (cfg.load_parameters_path or cfg.hf_model_path):
+    if not (cfg.load_parameters_path or cfg.hf_model_path or cfg.gguf_model_path):
       raise ValueError(
-          "load_format is not 'dummy' but neither load_parameters_path (Orbax) nor hf_model_path is set in"
-          " additional_config['maxtext_config']"
+          "load_format is not 'dummy' but none of load_parameters_path (Orbax), hf_model_path and gguf_model_path"
+          " is set in additional_config['maxtext_config']"
       )
     self.model = load_model(cfg)
 

@@ -112,6 +112,8 @@ class LLMEngine:
     self.sampler = Sampler(cfg.seed)
     self.stats = EngineStats()
     self._logprobs: dict[str, list[TokenLogprobs]] = {}
+    # request id -> token sampled for it by the last `step` (read by streaming callers).
+    self.last_sampled: dict[str, int] = {}
     self._next_id = 0
     graphdef, self.state = nnx.split(self.model)
 
@@ -174,8 +176,9 @@ class LLMEngine:
       self.kv_caches[s] = (conv.at[index].set(0), rec.at[index].set(0))
 
   def step(self) -> list[FinishedRequest]:
-    """Runs one model step; returns the requests that finished in it."""
+    """Runs one model step; returns the requests that finished in it (the tokens it sampled: `last_sampled`)."""
     start = time.perf_counter()
+    self.last_sampled = {}
     out = self.scheduler.schedule()
     self.stats.preemptions += len(out.preempted_request_ids)
     self._zero_slots(out.slots_to_zero)
@@ -199,6 +202,7 @@ class LLMEngine:
         sampled[rid] = int(token)
         if logprob is not None:
           self._logprobs[rid].append(logprob)
+    self.last_sampled = sampled
     finished = self.scheduler.update_from_output(out, sampled)
     self.stats.steps += 1
     self.stats.scheduled_tokens += out.num_scheduled_tokens

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from maxtext.checkpoint import load_run_config
+from maxtext.inference.chat_template import render_chat_template
 from maxtext.inference.engine import FinishedRequest, LLMEngine
 from maxtext.inference.sampler import TokenLogprobs
 from maxtext.inference.sampling_params import SamplingParams
@@ -56,7 +57,7 @@ class LLM:
 
   def _prompt_ids(self, prompt: Any, index: int) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
-      return prompt, self.tokenizer.encode(prompt, add_bos=True)
+      return prompt, self._encode_text(prompt)
     if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
       return None, list(prompt)
     raise TypeError(f"prompts[{index}] must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -67,8 +68,13 @@ class LLM:
       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
       *,
       use_tqdm: bool = False,
+      on_token: Callable[[int, int], None] | None = None,
   ) -> list[RequestOutput]:
     """Generates a completion for every prompt (strings or lists of token ids), in prompt order.
+
+    With `use_chat_template=true` in the config, string prompts are sent as one user message through the model's
+    chat template (see `apply_chat_template`). `on_token(prompt index, token id)` is called for every token as soon
+    as it is sampled (in step order), e.g. to stream text.
 
     Raises:
       TypeError: a prompt is neither a string nor a list of ints.
@@ -87,6 +93,7 @@ class LLM:
     prepared = [self._prompt_ids(prompt, i) for i, prompt in enumerate(prompts)]
     order = self.engine.add_requests([(ids, params) for (_, ids), params in zip(prepared, sampling_params)])
     texts = {rid: text for rid, (text, _) in zip(order, prepared)}
+    positions = {rid: i for i, rid in enumerate(order)}
     done: dict[str, FinishedRequest] = {}
     total = sum(p.max_tokens for p in sampling_params)
     with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=not use_tqdm) as progress:
@@ -94,8 +101,39 @@ class LLM:
         before = self.engine.stats.generated_tokens
         for finished in self.engine.step():
           done[finished.request_id] = finished
+        if on_token is not None:
+          _report_tokens(self.engine.last_sampled, positions, on_token)
         progress.update(self.engine.stats.generated_tokens - before)
     return [self._output(done[rid], texts[rid]) for rid in order]
+
+  def _encode_text(self, prompt: str) -> list[int]:
+    """A text prompt's ids: chat-templated when the config says `use_chat_template`, else encoded with bos."""
+    if self.cfg.use_chat_template:
+      return self.apply_chat_template([{"role": "user", "content": prompt}])
+    return self.tokenizer.encode(prompt, add_bos=True)
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    """The prompt ids of chat `messages` under the model's own chat template.
+
+    The template decides about bos / eos (it receives their texts as `bos_token` / `eos_token`); the rendered text
+    is tokenized without adding special tokens.
+
+    Raises:
+      ChatTemplateError: the model has no chat template, or it fails to render.
+    """
+    tokenizer = self.tokenizer
+    source = getattr(tokenizer, "path", "the byte-level tokenizer")
+    bos = tokenizer.token_text(tokenizer.bos_token_id) if tokenizer.chat_template else ""
+    eos = tokenizer.token_text(tokenizer.eos_token_id) if tokenizer.chat_template else ""
+    text = render_chat_template(
+        tokenizer.chat_template,
+        messages,
+        bos_token=bos,
+        eos_token=eos,
+        add_generation_prompt=add_generation_prompt,
+        source=source,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
 
   def _output(self, finished: FinishedRequest, prompt: str | None) -> RequestOutput:
     completion = CompletionOutput(
@@ -106,3 +144,11 @@ class LLM:
         finish_reason=finished.finish_reason,
     )
     return RequestOutput(finished.request_id, prompt, finished.prompt_token_ids, (completion,))
+
+
+def _report_tokens(
+    sampled: Mapping[str, int], positions: Mapping[str, int], on_token: Callable[[int, int], None]
+) -> None:
+  """Calls `on_token(prompt index, token)` for each token one step sampled, in prompt order."""
+  for rid in sorted(sampled, key=positions.__getitem__):
+    on_token(positions[rid], sampled[rid])

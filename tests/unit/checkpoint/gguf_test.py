@@ -346,3 +346,27 @@ def test_an_unsupported_tokenizer_model_is_named(tmp_path):
   write_model(path, tokenizer_model="llama")
   with pytest.raises(NotImplementedError, match="tokenizer.ggml.model='llama' is not supported"):
     HFTokenizer.from_gguf(str(path))
+
+
+def test_llm_renders_the_files_chat_template_and_decodes(tmp_path, llama_file):
+  from maxtext.inference import LLM, SamplingParams  # pylint: disable=import-outside-toplevel  # a higher layer
+
+  path, _ = llama_file
+  llm = LLM(gguf_model_path=str(path), use_chat_template=True, max_target_length=64, num_kv_blocks=16)
+  out = llm.generate("hello", SamplingParams(max_tokens=3))[0]
+  vocab = _vocab()
+  # bos_token (<|im_start|>) from the template itself, then the turn; no second bos is added.
+  expected = ["<|im_start|>", "<|im_start|>", "u", "s", "e", "r", "Ċ", "hell", "o", "<|im_end|>", "Ċ", "<|im_start|>"]
+  expected += ["a", "s", "s", "i", "s", "t", "a", "n", "t", "Ċ"]
+  assert [vocab[i] for i in out.prompt_token_ids] == expected
+  assert len(out.outputs[0].token_ids) >= 1
+  plain = LLM(gguf_model_path=str(path), max_target_length=64, num_kv_blocks=16)
+  assert plain.generate("hello", SamplingParams(max_tokens=1))[0].prompt_token_ids == (
+      1,
+      vocab.index("hell"),
+      vocab.index("o"),
+  )
+  path_without = tmp_path / "no-template.gguf"
+  write_model(path_without, template=None)
+  with pytest.raises(ValueError, match="use_chat_template=true but .*no-template.gguf has no chat template"):
+    LLM(gguf_model_path=str(path_without), use_chat_template=True, max_target_length=64).generate("hi")

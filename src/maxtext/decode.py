@@ -3,8 +3,14 @@
     maxtext-decode configs/base.yml model_name=qwen3-next-tiny prompt="I love to" max_new_tokens=16
     maxtext-decode configs/base.yml model_name=qwen3-next-tiny output_format=json
     maxtext-decode configs/base.yml model_name=qwen3.5-tiny dry_run=true      # the cache layout, no model run
+    maxtext-decode configs/base.yml model_name=smollm2-135m-instruct prompt="What is the capital of France?" \
+        use_chat_template=true                                                 # a real model (fetch it first)
+    maxtext-decode configs/base.yml model_name=llama-tiny prompts_file=prompts.jsonl output_format=json
 
-Text output prints the completion on stdout; `output_format=json` prints exactly one JSON object on stdout:
+Text output streams the completion of a single prompt to stdout as it is generated; with `prompts_file=` (one
+prompt per line, or JSON Lines with "prompt" or "prompt_token_ids") all prompts are decoded together and each
+completion is printed after a `=== prompt K (line N) ===` header, in file order. `output_format=json` prints
+exactly one JSON object on stdout:
 `{"requests": [{"prompt_token_ids", "output_token_ids", "text", "logprobs"}], "stats": {...}}`. Logs and progress
 go to stderr. Bad input (unknown key, bad value, missing file) prints one line on stderr and exits with status 2.
 """
@@ -22,8 +28,10 @@ import ml_collections
 from maxtext.checkpoint import load_run_config
 from maxtext.inference.engine import make_kv_cache_manager
 from maxtext.inference.llm import LLM, RequestOutput
+from maxtext.inference.prompts_file import FilePrompt, read_prompts_file
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import RequestNeverFitsError
+from maxtext.inference.streaming import TextStreamer
 
 logger = logging.getLogger(__name__)
 
@@ -84,17 +92,68 @@ def run(argv: Sequence[str]) -> int:
   if cfg.dry_run:
     print(format_layout(cfg))
     return 0
+  prompts = cli_prompts(cfg)  # a malformed prompts_file fails here, before the model is built
   llm = LLM(config_path, argv=args)
+  params = sampling_params_from_config(cfg)
+  if cfg.output_format == "json":
+    outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True)
+    print(outputs_to_json(outputs, llm.engine.stats.as_dict()))
+  elif len(prompts) == 1 and not cfg.prompts_file:
+    outputs = generate_streaming(llm, prompts[0].prompt, params)
+  else:
+    outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True)
+    print_completions(prompts, outputs)
+  report_length_cap(cfg, outputs)
+  return 0
+
+
+def cli_prompts(cfg: ml_collections.FrozenConfigDict) -> list[FilePrompt]:
+  """The prompts of a run: `prompts_file`'s (checked whole), else `prompt_token_ids`, else `prompt` (line 0).
+
+  Raises:
+    ValueError: an empty prompt, prompts_file together with prompt_token_ids, or a malformed prompts_file line.
+  """
+  if cfg.prompts_file:
+    if cfg.prompt_token_ids:
+      raise ValueError("prompts_file and prompt_token_ids are both set; set one")
+    return read_prompts_file(cfg.prompts_file)
   prompt: Any = list(cfg.prompt_token_ids) if cfg.prompt_token_ids else cfg.prompt
   if not prompt:
     raise ValueError("prompt is empty: set prompt=... or prompt_token_ids=[...]")
-  outputs = llm.generate([prompt], sampling_params_from_config(cfg), use_tqdm=True)
-  if cfg.output_format == "json":
-    print(outputs_to_json(outputs, llm.engine.stats.as_dict()))
-  else:
-    for out in outputs:
-      print(out.outputs[0].text)
-  return 0
+  return [FilePrompt(0, prompt)]
+
+
+def generate_streaming(llm: LLM, prompt: Any, params: SamplingParams) -> list[RequestOutput]:
+  """Generates one completion, writing its text to stdout token by token (no progress bar)."""
+  streamer = TextStreamer(llm.tokenizer.decode, sys.stdout)
+  outputs = llm.generate([prompt], params, on_token=streamer.on_token)
+  streamer.finish()
+  return outputs
+
+
+def print_completions(prompts: Sequence[FilePrompt], outputs: Sequence[RequestOutput]) -> None:
+  """Each completion after a `=== prompt K (line N) ===` header, in input order."""
+  for k, (prompt, out) in enumerate(zip(prompts, outputs)):
+    print(f"=== prompt {k} (line {prompt.line}) ===")
+    print(out.outputs[0].text)
+
+
+def report_length_cap(cfg: ml_collections.FrozenConfigDict, outputs: Sequence[RequestOutput]) -> None:
+  """One stderr line when max_target_length stopped a generation before max_new_tokens tokens."""
+  capped = [
+      out
+      for out in outputs
+      if out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) < cfg.max_new_tokens
+  ]
+  if not capped:
+    return
+  shortest = min(len(out.outputs[0].token_ids) for out in capped)
+  print(
+      f"maxtext-decode: warning: max_new_tokens={cfg.max_new_tokens} is more than max_target_length="
+      f"{cfg.max_target_length} leaves after the prompt for {len(capped)} of {len(outputs)} prompts (as few as"
+      f" {shortest} tokens were generated); raise max_target_length to generate more",
+      file=sys.stderr,
+  )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

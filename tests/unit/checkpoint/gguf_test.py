@@ -370,3 +370,20 @@ def test_llm_renders_the_files_chat_template_and_decodes(tmp_path, llama_file):
   write_model(path_without, template=None)
   with pytest.raises(ValueError, match="use_chat_template=true but .*no-template.gguf has no chat template"):
     LLM(gguf_model_path=str(path_without), use_chat_template=True, max_target_length=64).generate("hi")
+
+
+def test_the_converter_writes_an_orbax_copy_that_decodes_with_the_files_tokenizer(llama_file, tmp_path, capsys):
+  from maxtext.checkpoint import convert  # pylint: disable=import-outside-toplevel  # the converter's own module
+
+  path, _ = llama_file
+  out = tmp_path / "converted"
+  assert convert.main(["--gguf_model_path", str(path), "--output_dir", str(out), "--no_progress"]) == 0
+  assert capsys.readouterr().out.startswith(f"wrote {out / 'params'}")
+  cfg = convert.load_converted_config(out)
+  assert (cfg.load_parameters_path, cfg.gguf_model_path) == (str(out / "params"), str(path))
+  restored = load_model(cfg)
+  expected = dict(gguf_loader.iter_gguf_params(path, gguf_loader.load_gguf_config(path)))
+  np.testing.assert_array_equal(np.asarray(restored.layers[1].attn.q.kernel[...]), expected["layers.1.attn.q.kernel"])
+  assert tokenizer_from_config(cfg).chat_template == TEMPLATE
+  with pytest.raises(ValueError, match="exactly one of hf_model_path and gguf_model_path"):
+    convert.convert(None, tmp_path / "x")

@@ -430,7 +430,10 @@ def _pre_tokenizer(pre: str, path: str) -> tuple[Any, Any]:
   if split == "digits":
     steps = [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     return None, pre_tokenizers.Sequence(steps)
-  steps = [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(use_regex=False)]
+  steps = [
+      pre_tokenizers.Split(Regex(split), behavior="isolated"),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+  ]
   return (normalizers.NFC() if pre == "qwen2" else None), pre_tokenizers.Sequence(steps)
 
 

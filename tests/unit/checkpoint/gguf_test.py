@@ -387,3 +387,85 @@ def test_the_converter_writes_an_orbax_copy_that_decodes_with_the_files_tokenize
   assert tokenizer_from_config(cfg).chat_template == TEMPLATE
   with pytest.raises(ValueError, match="exactly one of hf_model_path and gguf_model_path"):
     convert.convert(None, tmp_path / "x")
+
+
+def _metadata_file(path, arch="llama", drop=(), extra=None, tensors=(), pre="default", merges=True, tokens=True):
+  """A GGUF with the tiny model's metadata (minus `drop`, plus `extra` {key: value}) and the given 1-D tensors."""
+  writer = gguf.GGUFWriter(str(path), arch)
+  values = {
+      f"{arch}.block_count": LAYERS,
+      f"{arch}.embedding_length": D,
+      f"{arch}.feed_forward_length": FF,
+      f"{arch}.attention.head_count": HQ,
+      f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+  }
+  values.update(extra or {})
+  for key, value in values.items():
+    if key in drop:
+      continue
+    if isinstance(value, str):
+      writer.add_string(key, value)
+    elif isinstance(value, list):
+      writer.add_array(key, value)
+    elif isinstance(value, float):
+      writer.add_float32(key, value)
+    else:
+      writer.add_uint32(key, value)
+  writer.add_tokenizer_model("gpt2")
+  writer.add_tokenizer_pre(pre)
+  if tokens:
+    writer.add_token_list(_vocab() + ["12"])
+  if merges:
+    writer.add_token_merges(MERGES + ["1 2"])
+  for name in tensors:
+    writer.add_tensor(name, np.ones(4, np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"drop": ("llama.block_count",)}, gguf_loader.GGUFError, "metadata llama.block_count is missing"),
+        ({"extra": {"llama.attention.head_count": [4, 8]}}, NotImplementedError, r"differs between layers \(\[4, 8\]\)"),
+        ({"extra": {"llama.rope.dimension_count": 8}}, NotImplementedError, "rope.dimension_count=8; .*full rotary"),
+        ({"tensors": ("rope_freqs.weight",)}, NotImplementedError, "rope frequency factors"),
+        ({"tokens": False}, gguf_loader.GGUFError, "neither llama.vocab_size nor tokenizer.ggml.tokens is set"),
+        (
+            {"extra": {"llama.rope.scaling.type": "yarn"}},
+            NotImplementedError,
+            "rope.scaling.type='yarn' is not supported",
+        ),
+    ],
+    ids=["missing-key", "per-layer-heads", "partial-rope", "rope-freqs", "no-vocab", "yarn"],
+)
+def test_metadata_errors_name_the_key(tmp_path, kwargs, error, match):
+  with pytest.raises(error, match=match):
+    gguf_loader.gguf_to_hf_config(gguf_loader.GGUFFile(_metadata_file(tmp_path / "m.gguf", **kwargs)))
+
+
+def test_uniform_per_layer_heads_and_linear_rope_scaling(tmp_path):
+  extra = {"llama.attention.head_count": [HQ, HQ], "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
+  config = gguf_loader.gguf_to_hf_config(gguf_loader.GGUFFile(_metadata_file(tmp_path / "m.gguf", extra=extra)))
+  assert config["num_attention_heads"] == HQ and config["num_key_value_heads"] == HQ
+  assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+  assert config["vocab_size"] == len(_vocab()) + 1 and config["head_dim"] == D // HQ
+
+
+@pytest.mark.parametrize(
+    "pre, digits", [("default", ["12"]), ("smollm", ["1", "2"]), ("qwen2", ["1", "2"]), ("llama-bpe", ["12"])]
+)
+def test_pre_tokenizers_split_digits_as_their_vocabularies_expect(tmp_path, pre, digits):
+  tokenizer = gguf_loader.load_gguf_tokenizer(_metadata_file(tmp_path / "m.gguf", pre=pre)).tokenizer
+  assert tokenizer.encode("12", add_special_tokens=False).tokens == digits
+  assert tokenizer.encode("hello world", add_special_tokens=False).tokens == ["hell", "o", "Ġwor", "l", "d"]
+
+
+def test_tokenizer_metadata_errors(tmp_path):
+  with pytest.raises(NotImplementedError, match="tokenizer.ggml.pre='tekken' is not supported"):
+    gguf_loader.load_gguf_tokenizer(_metadata_file(tmp_path / "a.gguf", pre="tekken"))
+  with pytest.raises(gguf_loader.GGUFError, match="tokenizer.ggml.tokens and tokenizer.ggml.merges must both be set"):
+    gguf_loader.load_gguf_tokenizer(_metadata_file(tmp_path / "b.gguf", merges=False))

@@ -142,3 +142,11 @@ def test_use_chat_template_without_a_template_is_one_error(capsys):
   assert decode.main([BASE] + RUN + ["use_chat_template=true"]) == 2
   err = capsys.readouterr().err
   assert err.startswith("maxtext-decode: error: use_chat_template=true but the byte-level tokenizer has no chat template")
+
+
+def test_a_missing_gguf_file_names_the_fetch_script(capsys):
+  assert decode.main([BASE, "model_name=smollm2-135m-instruct", "gguf_model_path=/nonexistent/model.gguf"]) == 2
+  assert capsys.readouterr().err == (
+      "maxtext-decode: error: GGUF file '/nonexistent/model.gguf' (gguf_model_path) does not exist; for the README's"
+      " example model run `python scripts/fetch_example_model.py` first\n"
+  )

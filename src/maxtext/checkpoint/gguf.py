@@ -123,8 +123,8 @@ class GGUFFile:
     self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if not os.path.isfile(self.path):
       raise FileNotFoundError(
-          f"GGUF file {self.path!r} does not exist (the README's example model is fetched there by"
-          " `python scripts/fetch_example_model.py`)"
+          f"GGUF file {self.path!r} (gguf_model_path) does not exist; for the README's example model run"
+          " `python scripts/fetch_example_model.py` first"
       )
     gguf = _gguf_module()
     size = os.path.getsize(self.path)

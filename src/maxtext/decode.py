@@ -33,8 +33,6 @@ from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import RequestNeverFitsError
 from maxtext.inference.streaming import TextStreamer
 
-logger = logging.getLogger(__name__)
-
 USAGE = "usage: maxtext-decode [configs/base.yml] key=value ...  (see configs/base.yml for every key)"
 # Errors that mean "the input is wrong", reported as one line with exit status 2. Anything else is a bug: traceback.
 # RequestNeverFitsError: the configured cache pools (num_kv_blocks, block_size) are too small for the request.
@@ -93,7 +91,7 @@ def run(argv: Sequence[str]) -> int:
     print(format_layout(cfg))
     return 0
   prompts = cli_prompts(cfg)  # a malformed prompts_file fails here, before the model is built
-  llm = LLM(config_path, argv=args)
+  llm = LLM(config=cfg)
   params = sampling_params_from_config(cfg)
   if cfg.output_format == "json":
     outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True)

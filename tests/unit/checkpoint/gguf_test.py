@@ -348,6 +348,7 @@ def test_an_unsupported_tokenizer_model_is_named(tmp_path):
     HFTokenizer.from_gguf(str(path))
 
 
+@pytest.mark.slow
 def test_llm_renders_the_files_chat_template_and_decodes(tmp_path, llama_file):
   from maxtext.inference import LLM, SamplingParams  # pylint: disable=import-outside-toplevel  # a higher layer
 

@@ -3,8 +3,14 @@
     maxtext-decode configs/base.yml model_name=qwen3-next-tiny prompt="I love to" max_new_tokens=16
     maxtext-decode configs/base.yml model_name=qwen3-next-tiny output_format=json
     maxtext-decode configs/base.yml model_name=qwen3.5-tiny dry_run=true      # the cache layout, no model run
+    maxtext-decode configs/base.yml model_name=smollm2-135m-instruct prompt="What is the capital of France?" \
+        use_chat_template=true                                                 # a real model (fetch it first)
+    maxtext-decode configs/base.yml model_name=llama-tiny prompts_file=prompts.jsonl output_format=json
 
-Text output prints the completion on stdout; `output_format=json` prints exactly one JSON object on stdout:
+Text output streams the completion of a single prompt to stdout as it is generated; with `prompts_file=` (one
+prompt per line, or JSON Lines with "prompt" or "prompt_token_ids") all prompts are decoded together and each
+completion is printed after a `=== prompt K (line N) ===` header, in file order. `output_format=json` prints
+exactly one JSON object on stdout:
 `{"requests": [{"prompt_token_ids", "output_token_ids", "text", "finish_reason", "logprobs"}], "stats": {...}}`
 (finish_reason: "stop" at eos or a stop token, "length" at max_new_tokens or max_target_length). Logs and progress
 go to stderr. Bad input (unknown key, bad value, missing file) prints one line on stderr and exits with status 2;
@@ -13,7 +19,6 @@ Ctrl-C exits with status 130.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -24,17 +29,29 @@ from typing import Any
 import ml_collections
 
 from maxtext.checkpoint import load_run_config
+from maxtext.configs.errors import MissingDependencyError
 from maxtext.inference.engine import make_kv_cache_manager
 from maxtext.inference import prompts as prompt_checks
 from maxtext.inference.llm import LLM, RequestOutput
+from maxtext.inference.prompts_file import FilePrompt, read_prompts_file
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import RequestNeverFitsError
+from maxtext.inference.streaming import TextStreamer
 
 USAGE = "usage: maxtext-decode [configs/base.yml] key=value ...  (see configs/base.yml for every key)"
 # Errors that mean "the input is wrong", reported as one line with exit status 2. Anything else is a bug: traceback.
 # RequestNeverFitsError: the configured cache pools (num_kv_blocks, block_size) are too small for the request.
 # OSError: a path that cannot be read (missing, a folder where a file is expected, no permission).
-USER_ERRORS = (ValueError, TypeError, NotImplementedError, OSError, KeyError, RequestNeverFitsError)
+# MissingDependencyError: an optional package the run needs (gguf, tokenizers, ...) is not installed.
+USER_ERRORS = (
+    ValueError,
+    TypeError,
+    NotImplementedError,
+    OSError,
+    KeyError,
+    RequestNeverFitsError,
+    MissingDependencyError,
+)
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 1  # the reader of stdout went away (`maxtext-decode --help | head -1`)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -83,45 +100,6 @@ def outputs_to_json(outputs: Sequence[RequestOutput], stats: dict[str, Any]) -> 
   return json.dumps({"requests": requests, "stats": stats})
 
 
-def prompt_from_config(cfg: ml_collections.FrozenConfigDict) -> str | list[int]:
-  """The CLI's prompt: `prompt_token_ids` when set, else `prompt` (checked like the API's, named by the key).
-
-  Raises:
-    ValueError: both are empty, or `prompt` is not valid UTF-8 text (naming the key).
-  """
-  if cfg.prompt_token_ids:
-    return list(cfg.prompt_token_ids)
-  if not cfg.prompt:
-    raise ValueError("prompt is empty: set prompt=... or prompt_token_ids=[...]")
-  prompt_checks.check_text(cfg.prompt, "prompt")
-  return cfg.prompt
-
-
-def cap_max_new_tokens(
-    cfg: ml_collections.FrozenConfigDict, params: SamplingParams, num_prompt_tokens: int
-) -> SamplingParams:
-  """`params` with max_tokens lowered to what max_target_length leaves after the prompt, saying so on stderr.
-
-  Generation stops at max_target_length anyway (the API's documented rule, finish reason "length"); the CLI says
-  so in one line instead of silently showing a progress bar for tokens that will never be generated.
-
-  Args:
-    cfg: the loaded config (max_target_length).
-    params: the sampling params from `sampling_params_from_config`.
-    num_prompt_tokens: the prompt's length in tokens (bos included).
-  """
-  reachable = prompt_checks.num_generatable_tokens(num_prompt_tokens, params.max_tokens, cfg.max_target_length)
-  if reachable >= params.max_tokens or reachable < 1:  # < 1: the scheduler reports the too-long prompt
-    return params
-  print(
-      f"maxtext-decode: warning: max_new_tokens={params.max_tokens} but max_target_length={cfg.max_target_length}"
-      f" leaves room for {reachable} tokens after the {num_prompt_tokens}-token prompt; generating at most"
-      f" {reachable}",
-      file=sys.stderr,
-  )
-  return dataclasses.replace(params, max_tokens=reachable)
-
-
 def run(argv: Sequence[str]) -> int:
   """Runs the CLI on `argv` (without the program name); returns the exit status."""
   args = list(argv)
@@ -130,18 +108,79 @@ def run(argv: Sequence[str]) -> int:
   if cfg.dry_run:
     print(format_layout(cfg))
     return 0
-  prompt = prompt_from_config(cfg)
+  prompts = cli_prompts(cfg)  # a malformed prompts_file fails here, before the model is built
   llm = LLM(config=cfg)
   params = sampling_params_from_config(cfg)
-  num_prompt_tokens = len(prompt) if isinstance(prompt, list) else len(llm.tokenizer.encode(prompt, add_bos=True))
-  params = cap_max_new_tokens(cfg, params, num_prompt_tokens)
-  outputs = llm.generate([prompt], params, use_tqdm=True)
+  report_length_cap(cfg, llm, prompts, params)
   if cfg.output_format == "json":
+    outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True)
     print(outputs_to_json(outputs, llm.engine.stats.as_dict()))
+  elif len(prompts) == 1 and not cfg.prompts_file:
+    outputs = generate_streaming(llm, prompts[0].prompt, params)
   else:
-    for out in outputs:
-      print(out.outputs[0].text)
+    outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True)
+    print_completions(prompts, outputs)
   return 0
+
+
+def cli_prompts(cfg: ml_collections.FrozenConfigDict) -> list[FilePrompt]:
+  """The prompts of a run: `prompts_file`'s (checked whole), else `prompt_token_ids`, else `prompt` (line 0).
+
+  Raises:
+    ValueError: an empty prompt, `prompt` text that is not valid UTF-8 (naming the key), prompts_file together
+      with prompt_token_ids, or a malformed prompts_file line.
+  """
+  if cfg.prompts_file:
+    if cfg.prompt_token_ids:
+      raise ValueError("prompts_file and prompt_token_ids are both set; set one")
+    return read_prompts_file(cfg.prompts_file)
+  if cfg.prompt_token_ids:
+    return [FilePrompt(0, list(cfg.prompt_token_ids))]
+  if not cfg.prompt:
+    raise ValueError("prompt is empty: set prompt=... or prompt_token_ids=[...]")
+  prompt_checks.check_text(cfg.prompt, "prompt")
+  return [FilePrompt(0, cfg.prompt)]
+
+
+def generate_streaming(llm: LLM, prompt: Any, params: SamplingParams) -> list[RequestOutput]:
+  """Generates one completion, writing its text to stdout token by token (no progress bar)."""
+  streamer = TextStreamer(llm.tokenizer.decode, sys.stdout)
+  outputs = llm.generate([prompt], params, on_token=streamer.on_token)
+  streamer.finish()
+  return outputs
+
+
+def print_completions(prompts: Sequence[FilePrompt], outputs: Sequence[RequestOutput]) -> None:
+  """Each completion after a `=== prompt K (line N) ===` header, in input order."""
+  for k, (prompt, out) in enumerate(zip(prompts, outputs)):
+    print(f"=== prompt {k} (line {prompt.line}) ===")
+    print(out.outputs[0].text)
+
+
+def report_length_cap(
+    cfg: ml_collections.FrozenConfigDict, llm: LLM, prompts: Sequence[FilePrompt], params: SamplingParams
+) -> None:
+  """One stderr line, before decoding, when max_target_length leaves fewer than max_new_tokens after a prompt.
+
+  Generation stops at max_target_length anyway (finish reason "length", the API's documented rule); the CLI says
+  so once instead of letting a progress bar promise tokens that will never be generated. Prompt lengths are those
+  of the ids the model receives (after the chat template when `use_chat_template=true`).
+  """
+  limit, wanted = cfg.max_target_length, params.max_tokens
+  lengths = [len(llm.prompt_token_ids(p.prompt)) for p in prompts]
+  reachable = [prompt_checks.num_generatable_tokens(n, wanted, limit) for n in lengths]
+  capped = sorted((r, n) for r, n in zip(reachable, lengths) if 1 <= r < wanted)  # r < 1: the scheduler says it
+  if not capped:
+    return
+  fewest, length = capped[0]
+  if len(prompts) == 1:
+    detail = f"leaves room for {fewest} tokens after the {length}-token prompt; generating at most {fewest}"
+  else:
+    detail = (
+        f"leaves room for fewer tokens after {len(capped)} of {len(prompts)} prompts (as few as {fewest} after a"
+        f" {length}-token prompt); each generates at most what fits"
+    )
+  print(f"maxtext-decode: warning: max_new_tokens={wanted} but max_target_length={limit} {detail}", file=sys.stderr)
 
 
 def _print_usage() -> int:

@@ -1,7 +1,12 @@
-"""The README's test command is exactly what CI runs."""
+"""The README's test command is exactly what CI runs; its first command fetches what the example config loads."""
 
+import importlib.util
+import os
 import pathlib
 import re
+import shlex
+
+from maxtext.configs import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -19,3 +24,24 @@ def test_readme_setup_command_installs_pinned_cpu_torch_first():
   readme = (ROOT / "README.md").read_text(encoding="utf-8")
   setup = next(line for line in readme.splitlines() if line.startswith("python3 -m venv"))
   assert setup.index("torch==2.13.0") < setup.index(".[dev,hf]")
+
+
+def test_readme_first_command_fetches_the_example_model_where_its_config_looks():
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  setup = next(line for line in readme.splitlines() if line.startswith("python3 -m venv"))
+  steps = [step.strip() for step in setup.split("&&")]
+  assert steps[-2] == ".venv/bin/python scripts/fetch_example_model.py"
+  decode_args = shlex.split(steps[-1])
+  assert decode_args[:2] == [".venv/bin/maxtext-decode", "configs/base.yml"]
+  cfg = load_config(decode_args[1:])
+  assert (cfg.model_name, cfg.use_chat_template, cfg.prompt) == (
+      "smollm2-135m-instruct",
+      True,
+      "What is the capital of France?",
+  )
+  spec = importlib.util.spec_from_file_location("fetch_example_model", ROOT / "scripts" / "fetch_example_model.py")
+  fetch = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(fetch)
+  assert os.path.expanduser(cfg.gguf_model_path) == os.path.join(
+      os.path.expanduser(fetch.DEFAULT_CACHE_DIR), fetch.FILE_NAME
+  )

@@ -1,11 +1,13 @@
-"""Convert a local Hugging Face folder to an Orbax parameter checkpoint plus a YAML of its config keys.
+"""Convert a local Hugging Face folder or GGUF file to an Orbax parameter checkpoint plus a YAML of its config keys.
 
     python scripts/convert_hf_checkpoint.py --hf_model_path DIR --output_dir OUT [--weight_dtype bfloat16]
+    python scripts/convert_hf_checkpoint.py --gguf_model_path FILE --output_dir OUT
 
 writes
     OUT/params/             Orbax checkpoint of the canonical parameters (in weight_dtype)
-    OUT/maxtext_model.yml   the model keys derived from config.json, weight_dtype, load_parameters_path=OUT/params
-                            and tokenizer_path=DIR
+    OUT/maxtext_model.yml   the model keys derived from config.json (or the GGUF metadata), weight_dtype,
+                            load_parameters_path=OUT/params and tokenizer_path=DIR (or gguf_model_path=FILE, which
+                            then supplies the tokenizer and chat template; the weights come from the Orbax copy)
 Load it with `load_converted_config(OUT, **overrides)` (or pass the YAML's keys to `load_config`), then
 `maxtext.checkpoint.load_model(cfg)` restores the parameters from `load_parameters_path`.
 """
@@ -22,7 +24,7 @@ from typing import Any, NoReturn
 import ml_collections
 import yaml
 
-from maxtext.checkpoint import hf, hf_config, orbax
+from maxtext.checkpoint import gguf, hf, hf_config, orbax
 from maxtext.configs import load_config
 
 logger = logging.getLogger(__name__)
@@ -40,47 +42,55 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def convert(
-    hf_model_path: str | os.PathLike,
+    hf_model_path: str | os.PathLike | None,
     output_dir: str | os.PathLike,
     *,
     weight_dtype: str = "float32",
     progress: bool = True,
+    gguf_model_path: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
-  """Converts a Hugging Face folder; see the module docstring for the files written.
+  """Converts a Hugging Face folder or a GGUF file; see the module docstring for the files written.
 
   Args:
-    hf_model_path: local folder with config.json and safetensors.
+    hf_model_path: local folder with config.json and safetensors (None with `gguf_model_path`).
     output_dir: folder to create (it must not already hold a converted checkpoint). Everything is written into
       a temporary sibling folder first and renamed into place at the end, so a failure leaves nothing behind.
     weight_dtype: parameter dtype of the checkpoint (float32 | bfloat16).
     progress: show a tqdm progress bar on stderr while reading the safetensors.
+    gguf_model_path: a GGUF file to convert instead of a Hugging Face folder.
 
   Returns:
     The keys written to maxtext_model.yml.
 
   Raises:
     FileExistsError: output_dir already holds a checkpoint.
-    FileNotFoundError, ValueError, NotImplementedError: as `hf.load_hf_config` / `hf.iter_hf_params`.
+    ValueError: both or neither of hf_model_path and gguf_model_path given.
+    FileNotFoundError, ValueError, NotImplementedError: as `hf.load_hf_config` / `hf.iter_hf_params` (or their
+      `gguf` counterparts).
   """
+  if (hf_model_path is None) == (gguf_model_path is None):
+    raise ValueError("give exactly one of hf_model_path and gguf_model_path to convert")
+  if gguf_model_path is not None:
+    return _convert_gguf(gguf_model_path, output_dir, weight_dtype=weight_dtype, progress=progress)
   source = os.path.abspath(os.fspath(hf_model_path))
-  out = os.path.abspath(os.fspath(output_dir))
-  params_dir = os.path.join(out, PARAMS_DIR)
-  if os.path.exists(params_dir) or os.path.exists(os.path.join(out, MODEL_CONFIG_FILE)):
-    raise FileExistsError(f"output_dir {out!r} already holds a converted checkpoint; choose an empty folder")
-  if os.path.exists(out) and not os.path.isdir(out):
-    raise FileExistsError(f"output_dir {out!r} is a file; choose a folder")
+  out, params_dir = _output_paths(output_dir)
   keys = hf_config.hf_config_to_overrides(hf_config.read_hf_config(source))
   keys["weight_dtype"] = weight_dtype
   cfg = hf.load_hf_config(source, weight_dtype=weight_dtype)
   params = hf.load_hf_params(source, cfg, progress=progress)
   keys["load_parameters_path"] = params_dir
   keys["tokenizer_path"] = source
+  return _write(source, out, keys, params)
+
+
+def _write(source: str, out: str, keys: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+  """Writes params/ and maxtext_model.yml into a staging sibling of `out`, then publishes them by renames."""
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.converting-", dir=parent)
   try:
     orbax.save_params(os.path.join(staging, PARAMS_DIR), params)
-    del params
+    params.clear()
     with open(os.path.join(staging, MODEL_CONFIG_FILE), "w", encoding="utf-8") as f:
       f.write(f"# Converted from {source} by maxtext.checkpoint.convert; model keys of configs/base.yml.\n")
       yaml.safe_dump(keys, f, sort_keys=False)
@@ -112,6 +122,28 @@ def _publish(staging: str, out: str) -> None:
   os.rmdir(staging)
 
 
+def _output_paths(output_dir: str | os.PathLike) -> tuple[str, str]:
+  out = os.path.abspath(os.fspath(output_dir))
+  params_dir = os.path.join(out, PARAMS_DIR)
+  if os.path.exists(params_dir) or os.path.exists(os.path.join(out, MODEL_CONFIG_FILE)):
+    raise FileExistsError(f"output_dir {out!r} already holds a converted checkpoint; choose an empty folder")
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise FileExistsError(f"output_dir {out!r} is a file; choose a folder")
+  return out, params_dir
+
+
+def _convert_gguf(path: str | os.PathLike, output_dir: str | os.PathLike, *, weight_dtype: str, progress: bool):
+  source = os.path.abspath(os.path.expanduser(os.fspath(path)))
+  out, params_dir = _output_paths(output_dir)
+  keys = hf_config.hf_config_to_overrides(gguf.gguf_to_hf_config(gguf.open_gguf(source)))
+  keys["weight_dtype"] = weight_dtype
+  cfg = gguf.load_gguf_config(source, weight_dtype=weight_dtype)
+  params = dict(gguf.iter_gguf_params(source, cfg, progress=progress))
+  keys["load_parameters_path"] = params_dir
+  keys["gguf_model_path"] = source
+  return _write(source, out, keys, params)
+
+
 def load_converted_config(output_dir: str | os.PathLike, **overrides: Any) -> ml_collections.FrozenConfigDict:
   """Loads the config of a converted checkpoint folder (its maxtext_model.yml, then `overrides`).
 
@@ -130,15 +162,23 @@ def load_converted_config(output_dir: str | os.PathLike, **overrides: Any) -> ml
 def main(argv: Sequence[str] | None = None) -> int:
   """Command line entry point; returns the exit status (0, or 2 with one line on stderr for bad input)."""
   parser = _ArgumentParser(
-      prog="convert_hf_checkpoint", description="Convert a Hugging Face folder to an Orbax checkpoint."
+      prog="convert_hf_checkpoint", description="Convert a Hugging Face folder or a GGUF file to an Orbax checkpoint."
   )
-  parser.add_argument("--hf_model_path", required=True, help="local folder with config.json and *.safetensors")
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument("--hf_model_path", help="local folder with config.json and *.safetensors")
+  source.add_argument("--gguf_model_path", help="local GGUF file (llama.cpp format)")
   parser.add_argument("--output_dir", required=True, help="folder to write params/ and maxtext_model.yml into")
   parser.add_argument("--weight_dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
   parser.add_argument("--no_progress", action="store_true", help="do not show a progress bar")
   args = parser.parse_args(argv)
   try:
-    keys = convert(args.hf_model_path, args.output_dir, weight_dtype=args.weight_dtype, progress=not args.no_progress)
+    keys = convert(
+        args.hf_model_path,
+        args.output_dir,
+        weight_dtype=args.weight_dtype,
+        progress=not args.no_progress,
+        gguf_model_path=args.gguf_model_path,
+    )
   except (OSError, ValueError, NotImplementedError) as e:
     message = " ".join(str(e).split())
     print(f"{parser.prog}: error: {message}", file=sys.stderr)

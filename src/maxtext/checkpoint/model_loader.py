@@ -1,4 +1,4 @@
-"""Build a model from a config: from an Orbax checkpoint, a Hugging Face folder, or random initialisation."""
+"""Build a model from a config: from an Orbax checkpoint, a Hugging Face folder, a GGUF file, or random init."""
 
 import logging
 import os
@@ -8,9 +8,8 @@ from typing import Any
 import ml_collections
 from flax import nnx
 
-from maxtext.checkpoint import hf, orbax
-from maxtext.configs import load_config
-from maxtext.configs.errors import ConfigError
+from maxtext.checkpoint import gguf, hf, orbax
+from maxtext.configs import ConfigError, load_config
 from maxtext.configs.loader import DEFAULT_MODEL_NAME
 from maxtext.models import Transformer, abstract_model, assign_params
 
@@ -21,7 +20,8 @@ def load_model(cfg: ml_collections.FrozenConfigDict, *, progress: bool = True) -
   """The model of `cfg` with its parameters.
 
   Sources, first set wins: `load_parameters_path` (Orbax checkpoint, e.g. from scripts/convert_hf_checkpoint.py),
-  `hf_model_path` (Hugging Face folder, streamed), else random initialisation from `init_seed`.
+  `hf_model_path` (Hugging Face folder, streamed), `gguf_model_path` (GGUF file, dequantized tensor by tensor),
+  else random initialisation from `init_seed`.
 
   Args:
     cfg: a loaded config whose model keys match the checkpoint (e.g. `hf.load_hf_config` or
@@ -38,22 +38,34 @@ def load_model(cfg: ml_collections.FrozenConfigDict, *, progress: bool = True) -
     model = abstract_model(cfg)
     assign_params(model, hf.iter_hf_params(cfg.hf_model_path, cfg, progress=progress))
     return model
+  if cfg.gguf_model_path:
+    model = abstract_model(cfg)
+    assign_params(model, gguf.iter_gguf_params(cfg.gguf_model_path, cfg, progress=progress))
+    return model
   logger.info("no checkpoint configured: random initialisation (init_seed=%d)", cfg.init_seed)
   return Transformer(cfg, rngs=nnx.Rngs(cfg.init_seed))
 
 
 def load_run_config(argv: Sequence[str] = (), **overrides: Any) -> ml_collections.FrozenConfigDict:
-  """`load_config`, except that a configured `hf_model_path` supplies the model keys from its config.json.
+  """`load_config`, except that a configured `hf_model_path` or `gguf_model_path` supplies the model keys.
 
   Order (later wins): base.yml, `models/<model_name>.yml`, the Hugging Face config.json (when `hf_model_path` is
-  set), then `argv`'s `key=value` items and `overrides`.
+  set) or the GGUF metadata (when `gguf_model_path` is set), then `argv`'s `key=value` items and `overrides`.
 
   Raises:
-    ConfigError: a bad key or value, `hf_model_path` together with `model_name` (both name the model), or
-      `hf_model_path` a file; FileNotFoundError: `hf_model_path` has no config.json;
-    NotImplementedError: an unsupported Hugging Face architecture.
+    ConfigError: a bad key or value, both hf_model_path and gguf_model_path set, `hf_model_path` together with
+      `model_name` (both name the model), or `hf_model_path` a file; FileNotFoundError: `hf_model_path` has no
+      config.json or `gguf_model_path` does not exist; NotImplementedError: an unsupported architecture;
+      GGUFError: an unreadable GGUF file.
   """
   cfg = load_config(argv, **overrides)
+  if cfg.hf_model_path and cfg.gguf_model_path:
+    raise ConfigError(
+        f"hf_model_path={cfg.hf_model_path!r} and gguf_model_path={cfg.gguf_model_path!r} are both set; set one"
+        " (the model keys come from either)"
+    )
+  if cfg.gguf_model_path:
+    return gguf.load_gguf_config(cfg.gguf_model_path, argv, **overrides)
   if not cfg.hf_model_path:
     return cfg
   check_hf_model_source(cfg)

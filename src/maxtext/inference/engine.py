@@ -108,6 +108,8 @@ class LLMEngine:
     self.stats = EngineStats()
     self._logprobs: dict[str, list[TokenLogprobs]] = {}
     self._aborted: list[FinishedRequest] = []
+    # request id -> token sampled for it by the last `step` (read by streaming callers).
+    self.last_sampled: dict[str, int] = {}
     self._next_id = 0
     graphdef, self.state = nnx.split(self.model)
 
@@ -191,9 +193,13 @@ class LLMEngine:
       self.kv_caches[s] = tuple(state.at[index].set(0) for state in self.kv_caches[s])
 
   def step(self) -> list[FinishedRequest]:
-    """Runs one model step; returns the requests that finished in it (first those aborted since the last step)."""
+    """Runs one model step; returns the requests that finished in it (first those aborted since the last step).
+
+    The tokens it sampled are in `last_sampled` (request id -> token id) until the next step.
+    """
     start = time.perf_counter()
     aborted, self._aborted = self._aborted, []
+    self.last_sampled = {}
     out = self.scheduler.schedule()
     self.stats.preemptions += len(out.preempted_request_ids)
     self._zero_slots(out.slots_to_zero)
@@ -217,6 +223,7 @@ class LLMEngine:
         sampled[rid] = int(token)
         if logprob is not None:
           self._logprobs[rid].append(logprob)
+    self.last_sampled = sampled
     finished = self.scheduler.update_from_output(out, sampled)
     self.stats.steps += 1
     self.stats.scheduled_tokens += out.num_scheduled_tokens

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -12,10 +13,13 @@ from tqdm import tqdm
 
 from maxtext.checkpoint import load_run_config
 from maxtext.inference import prompts as prompt_checks
+from maxtext.inference.chat_template import render_chat_template
 from maxtext.inference.engine import FinishedRequest, LLMEngine
 from maxtext.inference.sampler import TokenLogprobs
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.tokenizer import tokenizer_from_config
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +75,18 @@ class LLM:
     self.tokenizer = tokenizer_from_config(self.cfg)
     self.engine = LLMEngine(self.cfg, eos_token_id=self.tokenizer.eos_token_id)
 
+  def prompt_token_ids(self, prompt: Any) -> list[int]:
+    """The ids `generate` sends to the model for one prompt (checked, chat-templated as the config says).
+
+    Raises:
+      TypeError, ValueError: as `generate` for a bad prompt.
+    """
+    return self._prompt_ids(prompt, 0)[1]
+
   def _prompt_ids(self, prompt: Any, index: int) -> tuple[str | None, list[int]]:
     prompt_checks.check_prompt(prompt, f"prompts[{index}]")
     if isinstance(prompt, str):
-      return prompt, self.tokenizer.encode(prompt, add_bos=True)
+      return prompt, self._encode_text(prompt)
     return None, [int(t) for t in prompt]
 
   def generate(
@@ -83,12 +95,15 @@ class LLM:
       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
       *,
       use_tqdm: bool = False,
+      on_token: Callable[[int, int], None] | None = None,
   ) -> list[RequestOutput]:
     """Generates a completion for every prompt (strings or lists of token ids), in prompt order.
 
     `SamplingParams.max_tokens` is an upper bound: a request also stops when prompt + output reaches
     `max_target_length` (finish reason "length"), so a larger `max_tokens` is not an error; the progress bar counts
-    the tokens that can actually be generated.
+    the tokens that can actually be generated. With `use_chat_template=true` in the config, string prompts are sent
+    as one user message through the model's chat template (see `apply_chat_template`). `on_token(prompt index,
+    token id)` is called for every token as soon as it is sampled (in step order), e.g. to stream text.
 
     Raises:
       TypeError: `prompts` is not a string, a list of token ids or a list of those (bytes, None, a number), a
@@ -111,6 +126,7 @@ class LLM:
     prepared = [self._prompt_ids(prompt, i) for i, prompt in enumerate(prompts)]
     order = self.engine.add_requests([(ids, params) for (_, ids), params in zip(prepared, sampling_params)])
     texts = {rid: text for rid, (text, _) in zip(order, prepared)}
+    positions = {rid: i for i, rid in enumerate(order)}
     done: dict[str, FinishedRequest] = {}
     limit = int(self.cfg.max_target_length)
     total = sum(
@@ -123,6 +139,8 @@ class LLM:
           before = self.engine.stats.generated_tokens
           for finished in self.engine.step():
             done[finished.request_id] = finished
+          if on_token is not None:
+            _report_tokens(self.engine.last_sampled, positions, on_token)
           progress.update(self.engine.stats.generated_tokens - before)
     except BaseException:
       self._abort_unfinished(order, done)
@@ -144,6 +162,35 @@ class LLM:
         self.engine.abort_request(rid)
     logger.info("generate interrupted: aborted its unfinished requests")
 
+  def _encode_text(self, prompt: str) -> list[int]:
+    """A text prompt's ids: chat-templated when the config says `use_chat_template`, else encoded with bos."""
+    if self.cfg.use_chat_template:
+      return self.apply_chat_template([{"role": "user", "content": prompt}])
+    return self.tokenizer.encode(prompt, add_bos=True)
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    """The prompt ids of chat `messages` under the model's own chat template.
+
+    The template decides about bos / eos (it receives their texts as `bos_token` / `eos_token`); the rendered text
+    is tokenized without adding special tokens.
+
+    Raises:
+      ChatTemplateError: the model has no chat template, or it fails to render.
+    """
+    tokenizer = self.tokenizer
+    source = getattr(tokenizer, "path", "the byte-level tokenizer")
+    bos = tokenizer.token_text(tokenizer.bos_token_id) if tokenizer.chat_template else ""
+    eos = tokenizer.token_text(tokenizer.eos_token_id) if tokenizer.chat_template else ""
+    text = render_chat_template(
+        tokenizer.chat_template,
+        messages,
+        bos_token=bos,
+        eos_token=eos,
+        add_generation_prompt=add_generation_prompt,
+        source=source,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
   def _output(self, finished: FinishedRequest, prompt: str | None) -> RequestOutput:
     completion = CompletionOutput(
         index=0,
@@ -153,3 +200,11 @@ class LLM:
         finish_reason=finished.finish_reason,
     )
     return RequestOutput(finished.request_id, prompt, finished.prompt_token_ids, (completion,))
+
+
+def _report_tokens(
+    sampled: Mapping[str, int], positions: Mapping[str, int], on_token: Callable[[int, int], None]
+) -> None:
+  """Calls `on_token(prompt index, token)` for each token one step sampled, in prompt order."""
+  for rid in sorted(sampled, key=positions.__getitem__):
+    on_token(positions[rid], sampled[rid])

@@ -1,7 +1,9 @@
-"""Tokenizers: a byte-level one for tiny random models, and Hugging Face `tokenizer.json` files (local only).
+"""Tokenizers: a byte-level one for tiny random models, Hugging Face `tokenizer.json` files (local only), and the
+tokenizer a GGUF file describes.
 
-Both expose `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`, `bos_token_id` and `eos_token_id`.
-`tokenizer_from_config(cfg)` applies base.yml's rule: `tokenizer_path`, else `hf_model_path`, else byte-level.
+All expose `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`, `bos_token_id`, `eos_token_id` and
+`chat_template` (None when the model has none). `tokenizer_from_config(cfg)` applies base.yml's rule:
+`tokenizer_path`, else `hf_model_path`, else `gguf_model_path`, else byte-level.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class ByteTokenizer:
   bos_token_id = 1
   eos_token_id = 2
   offset = 3
+  chat_template = None
 
   def __init__(self, vocab_size: int = 259):
     if vocab_size < 256 + self.offset:
@@ -44,8 +47,10 @@ class ByteTokenizer:
       )
     self.vocab_size = vocab_size
 
-  def encode(self, text: str, add_bos: bool = False) -> list[int]:
-    """Token ids of the UTF-8 bytes of `text` (with a leading bos when `add_bos`)."""
+  def encode(self, text: str, add_bos: bool = False, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of the UTF-8 bytes of `text` (with a leading bos when `add_bos`; there are no special tokens in
+    text, so `add_special_tokens` changes nothing)."""
+    del add_special_tokens
     ids = [b + self.offset for b in text.encode("utf-8")]
     return [self.bos_token_id] + ids if add_bos else ids
 
@@ -59,7 +64,9 @@ class HFTokenizer:
   """A Hugging Face `tokenizers.Tokenizer` read from a local `tokenizer.json`.
 
   bos / eos come from `tokenizer_config.json` (`bos_token` / `eos_token`, a string or {"content": ...}) beside the
-  file, else from `config.json`'s `bos_token_id` / `eos_token_id` (first entry of a list), else None.
+  file, else from `config.json`'s `bos_token_id` / `eos_token_id` (first entry of a list), else None. The chat
+  template is `chat_template.jinja` beside the file, else `tokenizer_config.json`'s `chat_template` (a string, or a
+  list of {"name", "template"} whose "default" entry is used), else None.
 
   Args:
     path: a `tokenizer.json` file or a folder holding one.
@@ -81,6 +88,34 @@ class HFTokenizer:
     folder = os.path.dirname(file)
     self.bos_token_id = self._special_id(folder, "bos")
     self.eos_token_id = self._special_id(folder, "eos")
+    self.add_bos_token = True
+    self.chat_template = _folder_chat_template(folder)
+
+  @classmethod
+  def from_gguf(cls, path: str) -> "HFTokenizer":
+    """The tokenizer a GGUF file describes (its vocabulary, merges, bos / eos, add_bos_token and chat template).
+
+    Raises:
+      FileNotFoundError, NotImplementedError, ValueError: see `maxtext.checkpoint.gguf.load_gguf_tokenizer`.
+    """
+    from maxtext.checkpoint import gguf  # pylint: disable=import-outside-toplevel  # needs the optional gguf package
+
+    parts = gguf.load_gguf_tokenizer(path)
+    tokenizer = cls.__new__(cls)
+    tokenizer._tokenizer = parts.tokenizer  # pylint: disable=protected-access  # an alternative constructor
+    tokenizer.path = os.fspath(path)
+    tokenizer.vocab_size = parts.tokenizer.get_vocab_size(with_added_tokens=True)
+    tokenizer.bos_token_id = parts.bos_token_id
+    tokenizer.eos_token_id = parts.eos_token_id
+    tokenizer.add_bos_token = parts.add_bos_token
+    tokenizer.chat_template = parts.chat_template
+    return tokenizer
+
+  def token_text(self, token_id: int | None) -> str:
+    """The vocabulary entry of `token_id` ("" for None or an unknown id), e.g. for a chat template's bos_token."""
+    if token_id is None:
+      return ""
+    return self._tokenizer.id_to_token(int(token_id)) or ""
 
   def _special_id(self, folder: str, kind: str) -> int | None:
     config = _read_json(os.path.join(folder, "tokenizer_config.json"))
@@ -96,11 +131,13 @@ class HFTokenizer:
       token_id = token_id[0] if token_id else None
     return None if token_id is None else int(token_id)
 
-  def encode(self, text: str, add_bos: bool = False) -> list[int]:
-    """Token ids of `text` (the tokenizer's own post-processor decides about special tokens; `add_bos` prepends
-    bos when the tokenizer has one and did not add it)."""
-    ids = list(self._tokenizer.encode(text).ids)
-    if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+  def encode(self, text: str, add_bos: bool = False, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text` (the tokenizer's own post-processor decides about special tokens unless
+    `add_special_tokens` is false, as for a rendered chat template; `add_bos` prepends bos when the tokenizer has one,
+    adds it by default (a GGUF file's add_bos_token) and did not add it)."""
+    ids = list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+    wants_bos = add_bos and self.add_bos_token and self.bos_token_id is not None
+    if wants_bos and (not ids or ids[0] != self.bos_token_id):
       ids.insert(0, self.bos_token_id)
     return ids
 
@@ -123,6 +160,18 @@ def _tokenizer_file(path: str) -> str:
   if not os.path.isfile(path):
     raise TokenizerError(f"tokenizer path {path} does not exist (the hub is never queried; give a local path)")
   return path
+
+
+def _folder_chat_template(folder: str) -> str | None:
+  jinja = os.path.join(folder, "chat_template.jinja")
+  if os.path.isfile(jinja):
+    with open(jinja, encoding="utf-8") as f:
+      return f.read()
+  template = _read_json(os.path.join(folder, "tokenizer_config.json")).get("chat_template")
+  if isinstance(template, list):
+    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    template = named.get("default")
+  return template if isinstance(template, str) else None
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -148,16 +197,20 @@ def load_tokenizer(path: str) -> HFTokenizer:
 
 
 def tokenizer_from_config(cfg: Any) -> ByteTokenizer | HFTokenizer:
-  """`cfg.tokenizer_path`, else `cfg.hf_model_path`, else a byte-level tokenizer of `cfg.vocab_size`.
+  """`cfg.tokenizer_path`, else `cfg.hf_model_path`, else `cfg.gguf_model_path`'s tokenizer, else a byte-level
+  tokenizer of `cfg.vocab_size`.
 
   Raises:
     TokenizerError: the chosen path cannot be loaded, a tokenizer has more ids than `vocab_size`, or the byte
       tokenizer does not fit `vocab_size`.
   """
   path = cfg.tokenizer_path or cfg.hf_model_path
-  if not path:
+  if not path and cfg.gguf_model_path:
+    tokenizer = HFTokenizer.from_gguf(cfg.gguf_model_path)
+  elif not path:
     return ByteTokenizer(int(cfg.vocab_size))
-  tokenizer = load_tokenizer(path)
+  else:
+    tokenizer = load_tokenizer(path)
   if tokenizer.vocab_size > int(cfg.vocab_size):
     raise TokenizerError(
         f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}"

@@ -57,11 +57,11 @@ class ReferenceVllmConfig:
 def vllm_config_from_maxtext(cfg: ml_collections.FrozenConfigDict) -> ReferenceVllmConfig:
   """A vLLM-shaped config that hands the adapter exactly `cfg`, already built (it is not parsed again).
 
-  `additional_config["maxtext_config"]` is `cfg` itself; `load_format` is "dummy" (random weights) when neither
-  `load_parameters_path` nor `hf_model_path` is set. A real `VllmConfig` carries plain overrides there instead,
-  from which the adapter builds the config.
+  `additional_config["maxtext_config"]` is `cfg` itself; `load_format` is "dummy" (random weights) when none of
+  `load_parameters_path`, `hf_model_path` and `gguf_model_path` is set. A real `VllmConfig` carries plain overrides
+  there instead, from which the adapter builds the config.
   """
-  has_checkpoint = bool(cfg.load_parameters_path or cfg.hf_model_path)
+  has_checkpoint = bool(cfg.load_parameters_path or cfg.hf_model_path or cfg.gguf_model_path)
   return ReferenceVllmConfig(
       model_config=ModelConfig(hf_config=None, max_model_len=cfg.max_target_length),
       load_config=LoadConfig(load_format="auto" if has_checkpoint else "dummy"),

@@ -12,7 +12,7 @@ VOCAB = {"[UNK]": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "!": 5}
 
 
 def _config(**values):
-  base = {"tokenizer_path": "", "hf_model_path": "", "vocab_size": 512}
+  base = {"tokenizer_path": "", "hf_model_path": "", "gguf_model_path": "", "vocab_size": 512}
   base.update(values)
   return types.SimpleNamespace(**base)
 
@@ -96,3 +96,30 @@ def test_tokenizer_from_config(hf_folder):
     tokenizer_from_config(_config(hf_model_path=str(hf_folder), vocab_size=4))
   with pytest.raises(TokenizerError, match="needs vocab_size >= 259"):
     tokenizer_from_config(_config(vocab_size=100))
+
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        ({}, None),
+        ({"tokenizer_config.json": {"chat_template": "{{ 1 }}"}}, "{{ 1 }}"),
+        (
+            {
+                "tokenizer_config.json": {
+                    "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+                }
+            },
+            "D",
+        ),
+        ({"tokenizer_config.json": {"chat_template": "{{ 1 }}"}, "chat_template.jinja": "{{ 2 }}"}, "{{ 2 }}"),
+    ],
+    ids=["none", "string", "named-list", "jinja-file-wins"],
+)
+def test_hf_tokenizer_chat_template_from_the_folder(hf_folder, files, expected):
+  for name, content in files.items():
+    text = content if isinstance(content, str) else json.dumps({"bos_token": "<s>", "eos_token": "</s>", **content})
+    (hf_folder / name).write_text(text, encoding="utf-8")
+  tokenizer = load_tokenizer(str(hf_folder))
+  assert tokenizer.chat_template == expected
+  assert (tokenizer.token_text(1), tokenizer.token_text(None)) == ("<s>", "")
+  assert tokenizer.encode("<s> hello", add_special_tokens=False) == [1, 3]

@@ -46,8 +46,8 @@ def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDic
 
   `additional_config["maxtext_config"]` holds config overrides (`model_name`, `hf_model_path`, ...), as a real
   `VllmConfig` carries them (`--additional-config`). The cache block size and dtype come from `cache_config`
-  unless overridden; `load_format == "dummy"` means random weights, so `load_parameters_path` and
-  `hf_model_path` are cleared. It may instead hold an already-built config (what this package's reference runner
+  unless overridden; `load_format == "dummy"` means random weights, so `load_parameters_path`, `hf_model_path` and
+  `gguf_model_path` are cleared. It may instead hold an already-built config (what this package's reference runner
   passes), which is used as it is, after checking that it agrees with `cache_config` and `load_config`.
 
   Raises:
@@ -77,6 +77,7 @@ def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDic
   if _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT:
     overrides["load_parameters_path"] = ""
     overrides["hf_model_path"] = ""
+    overrides["gguf_model_path"] = ""
   return load_run_config(**overrides)
 
 
@@ -88,12 +89,13 @@ def _checked_built_config(cfg: ml_collections.FrozenConfigDict, vllm_config: Any
         f"{cfg.block_size} in additional_config[{MAXTEXT_CONFIG_KEY!r}]"
     )
   if _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT and (
-      cfg.load_parameters_path or cfg.hf_model_path
+      cfg.load_parameters_path or cfg.hf_model_path or cfg.gguf_model_path
   ):
     raise ValueError(
         "load_format is 'dummy' (random weights) but the built config in"
         f" additional_config[{MAXTEXT_CONFIG_KEY!r}] names a checkpoint (load_parameters_path="
-        f"{cfg.load_parameters_path!r}, hf_model_path={cfg.hf_model_path!r})"
+        f"{cfg.load_parameters_path!r}, hf_model_path={cfg.hf_model_path!r}, gguf_model_path="
+        f"{cfg.gguf_model_path!r})"
     )
   return cfg
 
@@ -120,7 +122,8 @@ class MaxTextForCausalLM(nnx.Module):
     return self.mesh is not None and self.mesh.size > 1
 
   def load_weights(self, rng_key: jax.Array) -> None:
-    """Creates the parameters: random from `rng_key` (dummy), else from `load_parameters_path` or `hf_model_path`.
+    """Creates the parameters: random from `rng_key` (dummy), else from `load_parameters_path`, `hf_model_path` or
+    `gguf_model_path`.
 
     On a mesh of several devices random parameters are created directly in their shardings, and loaded ones are
     placed there one parameter at a time (`maxtext.models.sharding`).
@@ -135,10 +138,10 @@ class MaxTextForCausalLM(nnx.Module):
       else:
         self.model = Transformer(cfg, rngs=nnx.Rngs(params=rng_key))
       return
-    if not (cfg.load_parameters_path or cfg.hf_model_path):
+    if not (cfg.load_parameters_path or cfg.hf_model_path or cfg.gguf_model_path):
       raise ValueError(
-          "load_format is not 'dummy' but neither load_parameters_path (Orbax) nor hf_model_path is set in"
-          " additional_config['maxtext_config']"
+          "load_format is not 'dummy' but none of load_parameters_path (Orbax), hf_model_path and gguf_model_path"
+          " is set in additional_config['maxtext_config']"
       )
     model = load_model(cfg)
     self.model = sharding.shard_model(model, cfg, self.mesh) if self.is_sharded else model

@@ -203,7 +203,7 @@ def test_real_weights_need_a_source():
   )
   model = MaxTextForCausalLM(vllm, jax.random.key(0), None)
   assert not model.is_dummy
-  with pytest.raises(ValueError, match="neither load_parameters_path .* nor hf_model_path is set"):
+  with pytest.raises(ValueError, match="none of load_parameters_path .*, hf_model_path and gguf_model_path is set"):
     model.load_weights(jax.random.key(0))
 
 

@@ -1,0 +1,492 @@
+"""Load a GGUF file (llama.cpp's format) into this package's config, parameters and tokenizer.
+
+Architectures: `llama` (decoder_block llama2) and `qwen3`. The file is read with the `gguf` library's reader and its
+tensors are dequantized to float32 by `gguf.quants.dequantize` (see `SUPPORTED_TENSOR_TYPES`); nothing here unpacks
+bits. GGUF's conventions are undone on the way in, so the Hugging Face layout code (`hf_layout`) builds the canonical
+parameters exactly as for a safetensors folder:
+  - tensor names (`blk.{i}.attn_q.weight`, `token_embd.weight`, ...) map to the Hugging Face names;
+  - dimensions are stored innermost first (a Linear [out, in] is listed as [in, out]); the reader's arrays are in
+    row-major order, so a dequantized tensor already has the Hugging Face shape;
+  - for `llama`, llama.cpp's converter permutes the rows of attn_q / attn_k (per head, the two rotary halves are
+    interleaved for its GPT-J style rope); the inverse permutation restores the Hugging Face (rotate-half) rows.
+    Qwen3 files use NeoX rope and are stored unpermuted.
+The metadata becomes a Hugging Face style config dict for `hf_config.hf_config_to_overrides`, the vocabulary and
+merges a `tokenizers.Tokenizer` (byte-level BPE, the `gpt2` tokenizer model), and `tokenizer.chat_template` the
+chat template.
+
+    cfg = load_gguf_config("model.gguf")
+    for name, array in iter_gguf_params("model.gguf", cfg): ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import tqdm
+
+from maxtext.checkpoint import hf_config, hf_layout
+from maxtext.configs import load_config
+from maxtext.configs.errors import MissingDependencyError
+
+logger = logging.getLogger(__name__)
+
+# GGUF general.architecture -> Hugging Face model_type (whose config mapping and tensor layout are reused).
+ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3"}
+# Names of gguf.GGMLQuantizationType members this loader reads (dequantized by gguf.quants to float32).
+SUPPORTED_TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# llama.cpp's tokenizer.ggml.pre names -> the pre-tokenizer of the vocabulary (see `_pre_tokenizer`).
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS: dict[str, str | None] = {
+    "default": None,  # GPT-2's own regex (ByteLevel's)
+    "gpt2": None,
+    "smollm": "digits",  # GPT-2's regex after splitting every digit off, as SmolLM's tokenizer.json does
+    "qwen2": _QWEN2_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's token attributes)
+
+# GGUF tensor names (after `blk.{i}.`) -> Hugging Face names (after `model.layers.{i}.`).
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_MAX_LISTED = 5
+
+
+class GGUFError(ValueError):
+  """A GGUF file cannot be read or does not describe a model this package supports."""
+
+
+def _gguf_module() -> Any:
+  try:
+    import gguf  # pylint: disable=import-outside-toplevel  # optional dependency (the hf extra)
+  except ImportError as e:
+    raise MissingDependencyError(
+        "reading GGUF files needs the `gguf` package: pip install -e '.[hf]' (or pip install gguf)"
+    ) from e
+  return gguf
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+  """One tensor of a GGUF file: its Hugging Face name, its shape in Hugging Face (row-major) order and its type."""
+
+  gguf_name: str
+  name: str
+  shape: tuple[int, ...]
+  type_name: str
+
+
+class GGUFFile:
+  """A GGUF file opened with `gguf.GGUFReader` (memory-mapped): metadata, tensor index, dequantized reads.
+
+  Args:
+    path: the .gguf file.
+
+  Raises:
+    FileNotFoundError: no such file.
+    GGUFError: not a GGUF file, truncated or corrupt, or a tensor of a type the `gguf` library does not know.
+    NotImplementedError: a tensor of a known type this loader does not read (naming the tensor and the type).
+  """
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if not os.path.isfile(self.path):
+      raise FileNotFoundError(
+          f"GGUF file {self.path!r} (gguf_model_path) does not exist; for the README's example model run"
+          " `python scripts/fetch_example_model.py` first"
+      )
+    gguf = _gguf_module()
+    size = os.path.getsize(self.path)
+    try:
+      self._reader = gguf.GGUFReader(self.path)
+    except (ValueError, KeyError, IndexError, OverflowError) as e:
+      detail = " ".join(str(e).split())
+      if "GGMLQuantizationType" in detail:
+        raise GGUFError(
+            f"{self.path}: a tensor has an unknown tensor type ({detail}); gguf {_version(gguf)} knows"
+            f" {len(gguf.GGMLQuantizationType)} types, this loader reads {', '.join(SUPPORTED_TENSOR_TYPES)}"
+        ) from None
+      # gguf's reader maps the file and cuts every tensor out of it: a short file fails on the first tensor past
+      # the end ("cannot reshape array of size ...") or inside the metadata.
+      raise GGUFError(
+          f"{self.path}: not a readable GGUF file ({size} bytes; truncated or corrupt? download it again): {detail}"
+      ) from None
+    self.tensors: dict[str, GGUFTensor] = {}
+    self._raw: dict[str, Any] = {}
+    for tensor in self._reader.tensors:
+      type_name = tensor.tensor_type.name
+      if type_name not in SUPPORTED_TENSOR_TYPES:
+        raise NotImplementedError(
+            f"{self.path}: tensor {tensor.name!r} has quantization type {type_name}, which is not supported"
+            f" (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
+        )
+      name = hf_tensor_name(tensor.name)
+      shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+      self.tensors[name] = GGUFTensor(tensor.name, name, shape, type_name)
+      self._raw[name] = tensor
+
+  def field(self, key: str, default: Any = None) -> Any:
+    """The value of metadata `key` (str, number, bool or list), or `default` when absent."""
+    field = self._reader.fields.get(key)
+    if field is None:
+      return default
+    return field.contents()
+
+  @property
+  def architecture(self) -> str:
+    """general.architecture."""
+    arch = self.field("general.architecture")
+    if not isinstance(arch, str):
+      raise GGUFError(f"{self.path}: metadata general.architecture is missing")
+    return arch
+
+  def read(self, name: str) -> np.ndarray:
+    """The tensor of Hugging Face name `name`, dequantized to float32 in Hugging Face shape."""
+    tensor = self._raw[name]
+    gguf = _gguf_module()
+    array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    return np.asarray(array, dtype=np.float32).reshape(self.tensors[name].shape)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
+  del size, mtime_ns  # part of the cache key only: a file replaced on disk is read again
+  return GGUFFile(path)
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+  """`GGUFFile(path)`, cached: gguf's reader parses every metadata array on open (seconds for a 49k vocabulary),
+  and the config, the weights and the tokenizer all read the same file.
+
+  Raises:
+    FileNotFoundError, GGUFError, NotImplementedError: see `GGUFFile`.
+  """
+  full = os.path.abspath(os.path.expanduser(os.fspath(path)))
+  if not os.path.isfile(full):
+    return GGUFFile(full)  # raises FileNotFoundError
+  stat = os.stat(full)
+  return _open_cached(full, stat.st_size, stat.st_mtime_ns)
+
+
+def _version(module: Any) -> str:
+  try:
+    from importlib import metadata  # pylint: disable=import-outside-toplevel  # only for the message
+
+    return metadata.version(module.__name__)
+  except metadata.PackageNotFoundError:
+    return "(unknown version)"
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+  """The Hugging Face name of a GGUF tensor name (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`);
+  names without a counterpart are returned unchanged (and reported as unexpected by the loader)."""
+  if gguf_name in _GLOBAL_NAMES:
+    return _GLOBAL_NAMES[gguf_name]
+  parts = gguf_name.split(".", 2)
+  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+  return gguf_name
+
+
+def _uniform(value: Any, key: str, path: str) -> Any:
+  """A per-layer metadata array must hold one value (this package's models have one head count for every layer)."""
+  if isinstance(value, list):
+    if not value or len(set(value)) != 1:
+      raise NotImplementedError(f"{path}: metadata {key} differs between layers ({value}); only uniform values work")
+    return value[0]
+  return value
+
+
+def gguf_to_hf_config(file: GGUFFile) -> dict[str, Any]:
+  """A Hugging Face style config.json dict of the model a GGUF file holds.
+
+  Raises:
+    NotImplementedError: an unsupported architecture, rope scaling, partial rotary embedding or rope frequency
+      factors (`rope_freqs.weight`).
+    GGUFError: a required metadata key is missing.
+  """
+  arch = file.architecture
+  if arch not in ARCHITECTURES:
+    raise NotImplementedError(
+        f"{file.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
+    )
+
+  def require(key: str) -> Any:
+    value = file.field(f"{arch}.{key}")
+    if value is None:
+      raise GGUFError(f"{file.path}: metadata {arch}.{key} is missing")
+    return _uniform(value, f"{arch}.{key}", file.path)
+
+  hidden = int(require("embedding_length"))
+  heads = int(require("attention.head_count"))
+  kv_heads = int(_uniform(file.field(f"{arch}.attention.head_count_kv", heads), "head_count_kv", file.path))
+  head_dim = int(file.field(f"{arch}.attention.key_length", hidden // heads))
+  value_dim = int(file.field(f"{arch}.attention.value_length", head_dim))
+  rope_dim = int(file.field(f"{arch}.rope.dimension_count", head_dim))
+  if value_dim != head_dim or rope_dim != head_dim:
+    raise NotImplementedError(
+        f"{file.path}: key_length={head_dim}, value_length={value_dim}, rope.dimension_count={rope_dim}; this"
+        " loader needs all three equal (full rotary embedding)"
+    )
+  if "rope_freqs.weight" in file.tensors:
+    raise NotImplementedError(f"{file.path}: rope frequency factors (tensor rope_freqs.weight) are not supported")
+  tokens = file.field("tokenizer.ggml.tokens")
+  vocab = file.field(f"{arch}.vocab_size", len(tokens) if tokens else None)
+  if vocab is None:
+    raise GGUFError(f"{file.path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens is set")
+  config: dict[str, Any] = {
+      "model_type": ARCHITECTURES[arch],
+      "hidden_size": hidden,
+      "num_hidden_layers": int(require("block_count")),
+      "intermediate_size": int(require("feed_forward_length")),
+      "num_attention_heads": heads,
+      "num_key_value_heads": kv_heads,
+      "head_dim": head_dim,
+      "vocab_size": int(vocab),
+      "rms_norm_eps": float(require("attention.layer_norm_rms_epsilon")),
+      "rope_theta": float(file.field(f"{arch}.rope.freq_base", 10000.0)),
+      "max_position_embeddings": int(file.field(f"{arch}.context_length", 2048)),
+      "tie_word_embeddings": "lm_head.weight" not in file.tensors,
+      "attention_bias": "model.layers.0.self_attn.q_proj.bias" in file.tensors,
+  }
+  scaling = file.field(f"{arch}.rope.scaling.type", "none")
+  if scaling == "linear":
+    config["rope_scaling"] = {"rope_type": "linear", "factor": float(require("rope.scaling.factor"))}
+  elif scaling != "none":
+    raise NotImplementedError(f"{file.path}: {arch}.rope.scaling.type={scaling!r} is not supported (none | linear)")
+  return config
+
+
+def _override_keys(argv: Sequence[str]) -> set[str]:
+  return {arg.split("=", 1)[0].strip() for arg in argv if "=" in arg}
+
+
+def load_gguf_config(
+    path: str | os.PathLike, argv: Sequence[str] = (), **overrides: Any
+) -> ml_collections.FrozenConfigDict:
+  """The package config of a GGUF file: base.yml, then the file's model keys, then `argv` and `overrides`.
+
+  `gguf_model_path` is set to `path`.
+
+  Raises:
+    FileNotFoundError, GGUFError, NotImplementedError: see `GGUFFile` and `gguf_to_hf_config`.
+    ConfigError: an override is unknown or inconsistent.
+  """
+  derived = hf_config.hf_config_to_overrides(gguf_to_hf_config(open_gguf(path)))
+  derived["gguf_model_path"] = os.fspath(path)
+  given = _override_keys(argv) | set(overrides)
+  merged = {k: v for k, v in derived.items() if k not in given}
+  merged.update(overrides)
+  return load_config(argv, **merged)
+
+
+def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+  """Inverts llama.cpp's per-head row permutation of attn_q / attn_k (first axis: heads * head_dim rows).
+
+  llama.cpp stores row `2 j + r` of a head at the place of Hugging Face row `r * head_dim / 2 + j` (r = 0, 1: the
+  two rotary halves interleaved); this puts every row back.
+  """
+  rows = w.shape[0]
+  half = rows // heads // 2
+  return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _listing(names: Sequence[str]) -> str:
+  shown = ", ".join(names[:_MAX_LISTED])
+  return shown + (f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
+
+
+def _validate(file: GGUFFile, recipes: list[hf_layout.Recipe]) -> None:
+  """Every needed tensor is present with its expected shape, and no tensor is left unused."""
+  needed = {source for recipe in recipes for source in recipe.sources}
+  missing = [
+      f"{source!r} (expected shape {shape})"
+      for recipe in recipes
+      for source, shape in zip(recipe.sources, recipe.source_shapes)
+      if source not in file.tensors
+  ]
+  if missing:
+    raise GGUFError(f"{file.path} is missing {len(missing)} tensors (Hugging Face names): {_listing(missing)}")
+  unexpected = sorted(f"{t.gguf_name!r} (shape {t.shape})" for name, t in file.tensors.items() if name not in needed)
+  if unexpected:
+    raise GGUFError(f"{file.path} has {len(unexpected)} tensors this model does not use: {_listing(unexpected)}")
+  for recipe in recipes:
+    for source, shape in zip(recipe.sources, recipe.source_shapes):
+      tensor = file.tensors[source]
+      if tensor.shape != shape:
+        raise GGUFError(
+            f"{file.path}: tensor {tensor.gguf_name!r} ({source}) has shape {tensor.shape} in Hugging Face order,"
+            f" but the config expects {shape}"
+        )
+
+
+def _reader(file: GGUFFile, cfg: Any):
+  permute = {}
+  if file.architecture == "llama":
+    for i in range(cfg.base_num_decoder_layers):
+      permute[f"model.layers.{i}.self_attn.q_proj.weight"] = cfg.base_num_query_heads
+      permute[f"model.layers.{i}.self_attn.k_proj.weight"] = cfg.base_num_kv_heads
+      permute[f"model.layers.{i}.self_attn.q_proj.bias"] = cfg.base_num_query_heads
+      permute[f"model.layers.{i}.self_attn.k_proj.bias"] = cfg.base_num_kv_heads
+
+  def read(name: str) -> np.ndarray:
+    array = file.read(name)
+    return _unpermute_rope_rows(array, permute[name]) if name in permute else array
+
+  return read
+
+
+def iter_gguf_params(
+    path: str | os.PathLike, cfg: ml_collections.FrozenConfigDict, *, progress: bool = False
+) -> Iterator[tuple[str, np.ndarray]]:
+  """Streams the canonical parameters of a GGUF file, one at a time, in `cfg.weight_dtype`.
+
+  Presence and shape of every tensor are checked (from the header) before the first one is dequantized.
+
+  Args:
+    path: the .gguf file.
+    cfg: the model's config (e.g. from `load_gguf_config`).
+    progress: show a tqdm progress bar on stderr.
+
+  Returns:
+    An iterator of (canonical name, numpy array of dtype `cfg.weight_dtype`).
+
+  Raises:
+    FileNotFoundError, GGUFError, NotImplementedError: see `GGUFFile`; GGUFError also for a missing, unexpected or
+      mis-shaped tensor.
+  """
+  file = open_gguf(path)
+  recipes = hf_layout.build_recipes(cfg, file.tensors.keys())
+  _validate(file, recipes)
+  return _stream(file, recipes, np.dtype(jnp.dtype(cfg.weight_dtype)), _reader(file, cfg), progress)
+
+
+def _stream(file, recipes, dtype, read, progress) -> Iterator[tuple[str, np.ndarray]]:
+  desc = f"Loading {os.path.basename(file.path)}"
+  total = sum(len(r.sources) for r in recipes)
+  with tqdm.tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=not progress) as progress_bar:
+    for recipe in recipes:
+      arrays = recipe.convert(lambda j, r=recipe: read(r.sources[j]), dtype)
+      progress_bar.update(len(recipe.sources))
+      for (name, shape), array in zip(recipe.targets, arrays):
+        assert array.shape == shape and array.dtype == dtype, (name, array.shape, shape, array.dtype)
+        yield name, array
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTokenizerParts:
+  """What a GGUF file says about its tokenizer."""
+
+  tokenizer: Any  # tokenizers.Tokenizer
+  bos_token_id: int | None
+  eos_token_id: int | None
+  add_bos_token: bool
+  chat_template: str | None
+
+
+def _pre_tokenizer(pre: str, path: str) -> tuple[Any, Any]:
+  """(normalizer, pre-tokenizer) of a byte-level vocabulary whose tokenizer.ggml.pre is `pre`."""
+  from tokenizers import Regex, normalizers, pre_tokenizers  # pylint: disable=import-outside-toplevel  # hf extra
+
+  if pre not in _SPLITS:
+    raise NotImplementedError(
+        f"{path}: tokenizer.ggml.pre={pre!r} is not supported (supported: {', '.join(sorted(_SPLITS))}); give a"
+        " tokenizer.json with tokenizer_path="
+    )
+  split = _SPLITS[pre]
+  if split is None:
+    return None, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if split == "digits":
+    steps = [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    return None, pre_tokenizers.Sequence(steps)
+  steps = [
+      pre_tokenizers.Split(Regex(split), behavior="isolated"),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+  ]
+  return (normalizers.NFC() if pre == "qwen2" else None), pre_tokenizers.Sequence(steps)
+
+
+def load_gguf_tokenizer(path: str | os.PathLike | GGUFFile) -> GGUFTokenizerParts:
+  """The tokenizer of a GGUF file, built with the `tokenizers` library from the file's vocabulary and merges.
+
+  Only the byte-level BPE tokenizer model (`tokenizer.ggml.model = gpt2`, used by SmolLM, Llama 3 and Qwen) is
+  supported. Tokens typed control or user-defined are added as whole (special resp. normal) tokens.
+
+  Raises:
+    GGUFError: the file has no vocabulary or merges.
+    NotImplementedError: another tokenizer model or pre-tokenizer.
+  """
+  from tokenizers import AddedToken, Tokenizer, decoders, models  # pylint: disable=import-outside-toplevel  # hf extra
+
+  file = path if isinstance(path, GGUFFile) else open_gguf(path)
+  kind = file.field("tokenizer.ggml.model")
+  if kind != "gpt2":
+    raise NotImplementedError(
+        f"{file.path}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, 'gpt2'); give a"
+        " tokenizer.json with tokenizer_path="
+    )
+  tokens = file.field("tokenizer.ggml.tokens")
+  merges = file.field("tokenizer.ggml.merges")
+  if not tokens or not merges:
+    raise GGUFError(f"{file.path}: tokenizer.ggml.tokens and tokenizer.ggml.merges must both be set")
+  vocab = {token: i for i, token in enumerate(tokens)}
+  pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+  tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+  normalizer, pre_tokenizer = _pre_tokenizer(str(file.field("tokenizer.ggml.pre", "default")), file.path)
+  if normalizer is not None:
+    tokenizer.normalizer = normalizer
+  tokenizer.pre_tokenizer = pre_tokenizer
+  tokenizer.decoder = decoders.ByteLevel()
+  types = file.field("tokenizer.ggml.token_type") or []
+  tokenizer.add_special_tokens(
+      [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+  )
+  tokenizer.add_tokens(
+      [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+  )
+
+  def special(kind: str) -> int | None:
+    value = file.field(f"tokenizer.ggml.{kind}_token_id")
+    return None if value is None else int(value)
+
+  return GGUFTokenizerParts(
+      tokenizer=tokenizer,
+      bos_token_id=special("bos"),
+      eos_token_id=special("eos"),
+      add_bos_token=bool(file.field("tokenizer.ggml.add_bos_token", False)),
+      chat_template=file.field("tokenizer.chat_template"),
+  )

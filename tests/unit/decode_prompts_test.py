@@ -1,0 +1,151 @@
+"""The CLI's prompts_file=, streaming text output, the max_target_length report and use_chat_template errors.
+
+Token references are independent of the runner: the same random model built directly from the config, run greedily
+with full-sequence forwards (as in decode_test.py).
+"""
+
+import io
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxtext import decode
+from maxtext.configs import load_config
+from maxtext.models import Transformer
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BASE = str(ROOT / "configs" / "base.yml")
+EOS = 2
+PAD_TO = 32
+RUN = ["vocab_size=259", "max_target_length=32", "num_kv_blocks=16", "block_size=8", "max_num_seqs=4"]
+
+
+@pytest.fixture(name="greedy", scope="module")
+def fixture_greedy():
+  """prompt ids -> greedy tokens of the RUN model (dense forward, stops at eos)."""
+  cfg = load_config([BASE] + RUN)
+  model = Transformer(cfg, rngs=nnx.Rngs(params=jax.random.key(cfg.init_seed)))
+  forward = jax.jit(lambda tokens: model(tokens[None])[0])
+
+  def run(prompt, max_tokens):
+    tokens, out = list(prompt), []
+    while len(out) < max_tokens and len(tokens) < cfg.max_target_length:
+      padded = jnp.asarray(tokens + [0] * (PAD_TO - len(tokens)), jnp.int32)
+      out.append(int(np.argmax(np.asarray(forward(padded)[len(tokens) - 1]))))
+      tokens.append(out[-1])
+      if out[-1] == EOS:
+        break
+    return out
+
+  return run
+
+
+def _ids(text):
+  return [1] + [b + 3 for b in text.encode("utf-8")]
+
+
+def _text(ids):
+  return bytes(t - 3 for t in ids if 3 <= t < 259).decode("utf-8", errors="replace")
+
+
+def test_jsonl_prompts_are_decoded_together_in_input_order(tmp_path, capsys, greedy):
+  lines = ['{"prompt": "I love"}', "", '{"prompt_token_ids": [7, 8, 9, 10, 11, 12]}', '{"prompt": "Hi"}']
+  path = tmp_path / "prompts.jsonl"
+  path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+  args = [BASE] + RUN + [f"prompts_file={path}", "max_new_tokens=4", "output_format=json"]
+  assert decode.main(args) == 0
+  doc = json.loads(capsys.readouterr().out)
+  prompts = [_ids("I love"), [7, 8, 9, 10, 11, 12], _ids("Hi")]
+  assert [r["prompt_token_ids"] for r in doc["requests"]] == prompts
+  assert [r["output_token_ids"] for r in doc["requests"]] == [greedy(p, 4) for p in prompts]
+  # Decoded together: the steps of one run, not three (each prompt prefills in the first step).
+  assert doc["stats"]["steps"] == max(len(greedy(p, 4)) for p in prompts)
+
+
+def test_text_prompts_file_prints_each_completion_under_its_line(tmp_path, capsys, greedy):
+  path = tmp_path / "prompts.txt"
+  path.write_text("I love\n\nHello there\n", encoding="utf-8")
+  assert decode.main([BASE] + RUN + [f"prompts_file={path}", "max_new_tokens=3"]) == 0
+  expected = [_text(greedy(_ids("I love"), 3)), _text(greedy(_ids("Hello there"), 3))]
+  assert (
+      capsys.readouterr().out == f"=== prompt 0 (line 1) ===\n{expected[0]}\n=== prompt 1 (line 3) ===\n{expected[1]}\n"
+  )
+
+
+def test_a_malformed_line_is_reported_and_nothing_is_decoded(tmp_path, capsys, monkeypatch):
+  path = tmp_path / "prompts.jsonl"
+  path.write_text('{"prompt": "ok"}\n{"prompt": "also ok"}\n{"prompt": 3}\n', encoding="utf-8")
+
+  def no_model(*args, **kwargs):
+    raise AssertionError(f"the model must not be built: LLM{args}{kwargs}")
+
+  monkeypatch.setattr(decode, "LLM", no_model)
+  assert decode.main([BASE] + RUN + [f"prompts_file={path}"]) == 2
+  captured = capsys.readouterr()
+  assert captured.out == ""
+  assert (
+      captured.err == f"maxtext-decode: error: prompts_file {path} line 3: 'prompt' must be a non-empty string, got 3\n"
+  )
+
+
+def test_prompts_file_and_prompt_token_ids_are_exclusive(tmp_path, capsys):
+  path = tmp_path / "p.txt"
+  path.write_text("x\n", encoding="utf-8")
+  assert decode.main([BASE] + RUN + [f"prompts_file={path}", "prompt_token_ids=[5]"]) == 2
+  assert capsys.readouterr().err == "maxtext-decode: error: prompts_file and prompt_token_ids are both set; set one\n"
+
+
+class _Recorder(io.StringIO):
+
+  def __init__(self):
+    super().__init__()
+    self.chunks = []
+
+  def write(self, s):
+    self.chunks.append(s)
+    return super().write(s)
+
+
+def test_a_single_text_prompt_streams_token_by_token(monkeypatch, capsys, greedy):
+  expected = greedy(_ids("I love"), 6)
+  recorder = _Recorder()
+  monkeypatch.setattr(sys, "stdout", recorder)
+  assert decode.main([BASE] + RUN + ["prompt=I love", "max_new_tokens=6"]) == 0
+  assert recorder.getvalue() == _text(expected) + "\n"
+  printable = [t for t in expected if 3 + 0x20 <= t < 3 + 0x7F]  # an ASCII byte token is final text at once
+  assert len(recorder.chunks) >= len(printable) + 1
+  assert "generating" not in capsys.readouterr().err  # no progress bar under streamed text
+
+
+def test_max_new_tokens_beyond_max_target_length_is_reported_once(tmp_path, capsys, greedy):
+  path = tmp_path / "p.txt"
+  path.write_text("I love\nHello there\n", encoding="utf-8")
+  assert decode.main([BASE] + RUN + [f"prompts_file={path}", "max_new_tokens=40", "output_format=json"]) == 0
+  captured = capsys.readouterr()
+  doc = json.loads(captured.out)
+  capped = [r for r in doc["requests"] if r["finish_reason"] == "length"]
+  warnings = [line for line in captured.err.splitlines() if line.startswith("maxtext-decode: warning:")]
+  assert [r["output_token_ids"] for r in doc["requests"]] == [greedy(_ids(p), 40) for p in ("I love", "Hello there")]
+  assert capped  # the seeded random model does not stop at eos before max_target_length for these prompts
+  assert len(warnings) == 1, captured.err
+  assert "max_new_tokens=40 but max_target_length=32 leaves room for fewer tokens after 2 of 2 prompts" in warnings[0]
+
+
+def test_use_chat_template_without_a_template_is_one_error(capsys):
+  assert decode.main([BASE] + RUN + ["use_chat_template=true"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("maxtext-decode: error: use_chat_template=true but the byte-level tokenizer has no chat template")
+
+
+def test_a_missing_gguf_file_names_the_fetch_script(capsys):
+  assert decode.main([BASE, "model_name=smollm2-135m-instruct", "gguf_model_path=/nonexistent/model.gguf"]) == 2
+  assert capsys.readouterr().err == (
+      "maxtext-decode: error: GGUF file '/nonexistent/model.gguf' (gguf_model_path) does not exist; for the README's"
+      " example model run `python scripts/fetch_example_model.py` first\n"
+  )

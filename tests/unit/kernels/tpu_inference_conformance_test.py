@@ -60,8 +60,11 @@ class AttentionBatch:
 
 
 def _distribution(requests) -> np.ndarray:
-  num_decode = sum(1 for prior, new in requests if new == 1 and prior > 0)
-  return np.asarray([num_decode, len(requests), len(requests)], np.int32)
+  """The runner's `[decodes, decodes, requests]` (the leading decodes: one new token after earlier ones)."""
+  num_decode = 0
+  while num_decode < len(requests) and requests[num_decode][1] == 1 and requests[num_decode][0] > 0:
+    num_decode += 1
+  return np.asarray([num_decode, num_decode, len(requests)], np.int32)
 
 
 def _attention_batch(

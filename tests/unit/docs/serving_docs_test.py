@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from maxtext.integration.vllm import plugin
+from maxtext.integration.vllm import environment
 from maxtext.testing import tpu_inference_wheel
 
 _ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -47,7 +47,7 @@ def test_the_documented_entry_point_is_the_one_in_pyproject():
 @pytest.mark.parametrize("text", [_SERVING, _CONTRACT])
 def test_the_documented_version_is_the_one_checked(text):
   version = tpu_inference_wheel.TPU_INFERENCE_VERSION
-  assert plugin.CHECKED_TPU_INFERENCE_VERSION == version
+  assert environment.CHECKED_TPU_INFERENCE_VERSION == version
   assert f"tpu-inference {version}" in text or f"tpu-inference=={version}" in text
   assert not set(re.findall(r"tpu-inference[ =]=?(\d+\.\d+\.\d+)", text)) - {version}
 

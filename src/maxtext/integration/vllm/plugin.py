@@ -12,32 +12,18 @@ package instead of defining stand-ins.
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
+from maxtext.integration.vllm.environment import CHECKED_TPU_INFERENCE_VERSION, PluginEnvironmentError, import_module_of
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["ARCHITECTURE", "MODEL_LOADER_MODULE", "PluginEnvironmentError", "register"]
+
 ARCHITECTURE = "MaxTextForCausalLM"
-# The tpu-inference release whose registration contract this module was checked against (docs/runner-contract.md).
-CHECKED_TPU_INFERENCE_VERSION = "0.32.0"
 MODEL_LOADER_MODULE = "tpu_inference.models.common.model_loader"
-_INSTALL_HINT = f"on a TPU VM, pip install vllm-tpu=={CHECKED_TPU_INFERENCE_VERSION} (see docs/serving.md)"
-
-
-class PluginEnvironmentError(RuntimeError):
-  """vLLM or tpu-inference is missing, or does not offer what the plugin needs."""
-
-
-def _import(module: str, package: str):
-  """Imports `module`, turning a failure into an error that names the pip package to install."""
-  try:
-    return importlib.import_module(module)
-  except ImportError as e:
-    raise PluginEnvironmentError(
-        f"the maxtext vLLM plugin needs the {package} package, but importing {module} failed ({e}); {_INSTALL_HINT}"
-    ) from e
+_NEEDED_BY = "the maxtext vLLM plugin"
 
 
 def register() -> None:
@@ -49,8 +35,8 @@ def register() -> None:
   Raises:
     PluginEnvironmentError: vLLM or tpu-inference cannot be imported, or tpu-inference has no `register_model`.
   """
-  _import("vllm", "vllm")
-  loader = _import(MODEL_LOADER_MODULE, "tpu-inference")
+  import_module_of("vllm", "vllm", _NEEDED_BY)
+  loader = import_module_of(MODEL_LOADER_MODULE, "tpu-inference", _NEEDED_BY)
   register_model = getattr(loader, "register_model", None)
   if not callable(register_model):
     raise PluginEnvironmentError(

@@ -31,7 +31,7 @@ from maxtext.testing import hlo
 
 LAYOUTS = ("direct", "identity", "hybrid", "shuffled")
 FULL_ATTENTION_INTERVAL = 4  # layer i is full attention iff (i + 1) % 4 == 0, else a GDN layer
-# Small runner-shaped caches (contract.md §2): GDN conv [M, K-1, C] bf16 and ssm [M, nv, dk, dv] fp32;
+# Small runner-shaped caches (docs/runner-contract.md): GDN conv [M, K-1, C] bf16 and ssm [M, nv, dk, dv] fp32;
 # attention [N, bs, 2Hkv/pk, pk, D] bf16.
 CONV_SHAPE, SSM_SHAPE = (8, 3, 64), (8, 4, 16, 16)
 ATTENTION_SHAPE = (32, 16, 2, 2, 128)

@@ -26,7 +26,7 @@ KV_SHARED_SOURCE = {8: 7}  # layer.8 reads layer.7's K/V and computes none of it
 STATE_SLOT = 1  # GDN state slot of the demo's one request (slot 0 is the runner's null slot)
 BLOCK = 2  # attention block holding the request's first KV rows
 
-# Tiny runner shapes (contract.md §2): GDN conv [M, K-1, C] bf16 and ssm [M, nv, dk, dv] fp32;
+# Tiny runner shapes (docs/runner-contract.md): GDN conv [M, K-1, C] bf16 and ssm [M, nv, dk, dv] fp32;
 # attention [N, bs, 2Hkv/pk, pk, D] bf16 with pk = 2 for bf16 and D padded to 128.
 CONV_SHAPE, SSM_SHAPE = (4, 3, 32), (4, 2, 8, 8)
 ATTENTION_SHAPE = (6, 4, 2, 2, 128)

@@ -25,8 +25,6 @@ from maxtext.inference.llm import LLM, RequestOutput
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import RequestNeverFitsError
 
-logger = logging.getLogger(__name__)
-
 USAGE = "usage: maxtext-decode [configs/base.yml] key=value ...  (see configs/base.yml for every key)"
 # Errors that mean "the input is wrong", reported as one line with exit status 2. Anything else is a bug: traceback.
 # RequestNeverFitsError: the configured cache pools (num_kv_blocks, block_size) are too small for the request.
@@ -84,7 +82,7 @@ def run(argv: Sequence[str]) -> int:
   if cfg.dry_run:
     print(format_layout(cfg))
     return 0
-  llm = LLM(config_path, argv=args)
+  llm = LLM(config=cfg)
   prompt: Any = list(cfg.prompt_token_ids) if cfg.prompt_token_ids else cfg.prompt
   if not prompt:
     raise ValueError("prompt is empty: set prompt=... or prompt_token_ids=[...]")

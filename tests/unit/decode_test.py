@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from maxtext import decode
+from maxtext.checkpoint import model_loader
 from maxtext.configs import load_config
 from maxtext.inference import CompletionOutput, RequestOutput
 from maxtext.inference.sampler import TokenLogprobs
@@ -230,3 +231,13 @@ def test_a_request_that_can_never_fit_its_sliding_pool_exits_2_with_one_line(cap
   (line,) = [line for line in err.split("\n") if line.startswith("maxtext-decode: error: ")]
   assert err.endswith(line + "\n")
   assert re.search(r"request '0' can never fit: .* raise num_kv_blocks", line), line
+
+
+def test_one_cli_run_builds_the_config_once(monkeypatch, capsys):
+  # Every build of a run config (the CLI's, LLM's, the adapter's) goes through model_loader's load_config.
+  real = model_loader.load_config
+  builds = []
+  monkeypatch.setattr(model_loader, "load_config", lambda *a, **k: builds.append(a) or real(*a, **k))
+  assert decode.main([BASE, *RUN, "prompt_token_ids=[1, 72, 105]", "max_new_tokens=2"]) == 0
+  assert capsys.readouterr().out.strip()
+  assert len(builds) == 1

@@ -2,7 +2,7 @@
 
 Families: Llama, Qwen3, Gemma3 (text and multimodal), Qwen3-Next (dense and MoE), Qwen3.5 (text, multimodal, MoE).
 Tensors are streamed one at a time with `safetensors.safe_open`, re-laid-out to the canonical names of
-INTERFACES.md (see `hf_layout`) and cast to `weight_dtype`; the full set of weights is never held twice.
+docs/architecture.md (see `hf_layout`) and cast to `weight_dtype`; the full set of weights is never held twice.
 
     cfg = load_hf_config("/models/Qwen3-0.6B", dtype="bfloat16")
     for name, array in iter_hf_params("/models/Qwen3-0.6B", cfg): ...

@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from maxtext.checkpoint.hf_layout import MIXER_RECIPES
+
 logger = logging.getLogger(__name__)
 
 # text model_type -> decoder_block
@@ -35,7 +37,7 @@ SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 
 _HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _MOE_TYPES = ("qwen3_next", "qwen3_5_moe_text")
-_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+_LAYER_TYPES = tuple(MIXER_RECIPES)  # the layer kinds a Hugging Face checkpoint maps onto
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 # Defaults of the transformers 5.x config classes for the fields read here (used when config.json omits them).

@@ -1,7 +1,7 @@
 """Which Hugging Face tensors make which canonical parameters, and how they are re-laid-out.
 
 Each `Recipe` reads one or more on-disk tensors (checked against their expected shapes before anything is loaded) and
-produces one or more canonical parameters (INTERFACES.md names, kernels [in, out...]). Layouts handled here:
+produces one or more canonical parameters (docs/architecture.md names, kernels [in, out...]). Layouts handled here:
   - q/k/v_proj [H*Dh, D] -> [D, H, Dh]; o_proj [D, Hq*Dh] -> [Hq, Dh, D]; Linear [out, in] -> [in, out].
   - Qwen3-Next / Qwen3.5 gated q_proj [Hq*2*Dh, D], rows per head [q_h | gate_h] -> q and gate [D, Hq, Dh].
   - Qwen3-Next grouped in_proj_qkvz (rows per key head g: [q_g hk | k_g hk | v_g r*hv | z_g r*hv]) and in_proj_ba
@@ -17,6 +17,8 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
+
+from maxtext.configs.layer_kinds import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
 
 Shape = tuple[int, ...]
 # read(j) loads the j-th source tensor of a recipe in its stored dtype.
@@ -255,6 +257,23 @@ def _moe(cfg: Any, i: int, available: Collection[str]) -> list[Recipe]:
   return recipes
 
 
+# The checkpoint mapping of each layer kind's mixer: (cfg, layer index) -> its recipes.
+MIXER_RECIPES: dict[str, Callable[[Any, int], list[Recipe]]] = {
+    FULL_ATTENTION: _attention,
+    SLIDING_ATTENTION: _attention,
+    LINEAR_ATTENTION: _gated_delta_net,
+}
+
+
+def _mixer_recipes(cfg: Any, i: int, kind: str) -> list[Recipe]:
+  if kind not in MIXER_RECIPES:
+    raise NotImplementedError(
+        f"layer {i} is {kind!r}, which has no Hugging Face checkpoint mapping (mapped kinds:"
+        f" {', '.join(sorted(MIXER_RECIPES))})"
+    )
+  return MIXER_RECIPES[kind](cfg, i)
+
+
 def build_recipes(cfg: Any, available: Collection[str] = ()) -> list[Recipe]:
   """Every recipe of a model config, in layer order.
 
@@ -266,7 +285,8 @@ def build_recipes(cfg: Any, available: Collection[str] = ()) -> list[Recipe]:
     The recipes; together their targets are every canonical parameter of the model.
 
   Raises:
-    NotImplementedError: the config asks for a layout no Hugging Face checkpoint of these families has.
+    NotImplementedError: the config asks for a layout no Hugging Face checkpoint of these families has, or a
+      layer kind without a checkpoint mapping.
   """
   d, v = cfg.base_emb_dim, cfg.vocab_size
   recipes = [_same("model.embed_tokens.weight", (v, d), "embedder.embedding")]
@@ -281,7 +301,7 @@ def build_recipes(cfg: Any, available: Collection[str] = ()) -> list[Recipe]:
       ]
     else:
       recipes.append(_same(p + "post_attention_layernorm.weight", (d,), c + "pre_mlp_norm.scale"))
-    recipes += _gated_delta_net(cfg, i) if kind == "linear_attention" else _attention(cfg, i)
+    recipes += _mixer_recipes(cfg, i, kind)
     if cfg.moe_layers[i]:
       recipes += _moe(cfg, i, available)
     else:

@@ -1,6 +1,6 @@
 """Save and restore model parameters as an Orbax checkpoint directory.
 
-The checkpoint holds the canonical parameters (INTERFACES.md) as a nested dict split on "." (`layers` -> `0` ->
+The checkpoint holds the canonical parameters (docs/architecture.md) as a nested dict split on "." (`layers` -> `0` ->
 `attn` -> `q` -> `kernel`), so Orbax's own array names are the canonical names. Restoring checks every name, shape
 and dtype against the model before any array is read (Orbax itself would silently restore a mis-shaped array).
 

@@ -15,17 +15,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from maxtext.configs import layer_kinds
 from maxtext.configs.errors import ConfigError
-
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
-LINEAR_ATTENTION = "linear_attention"
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION)
-ATTENTION_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+from maxtext.configs.layer_kinds import FULL_ATTENTION, HYBRID_GDN_BLOCKS, LINEAR_ATTENTION, SLIDING_ATTENTION
 
 DECODER_BLOCKS = ("llama2", "qwen3", "gemma3", "qwen3_next", "qwen3_5")
-HYBRID_GDN_BLOCKS = ("qwen3_next", "qwen3_5")
 DTYPES = ("float32", "bfloat16")
+# Physical orders of the reference runner's cache list (see inference/kv_cache_manager.py).
+KV_CACHE_LAYOUTS = ("layer", "hybrid", "shuffled")
+# The device mesh's axes and the keys that size them (see maxtext/models/sharding.py).
+MESH_AXIS_KEYS = {"data": "ici_data_parallelism", "model": "ici_tensor_parallelism", "expert": "ici_expert_parallelism"}
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "decoder_block": DECODER_BLOCKS,
@@ -33,7 +32,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "weight_dtype": DTYPES,
     "kv_cache_dtype": ("auto",) + DTYPES,
     "rope_type": ("default", "linear", "llama3"),
-    "kv_cache_layout": ("layer", "hybrid", "shuffled"),
+    "kv_cache_layout": KV_CACHE_LAYOUTS,
     "output_format": ("text", "json"),
 }
 _POSITIVE = (
@@ -59,6 +58,8 @@ _POSITIVE = (
     "max_num_batched_tokens",
     "max_target_length",
     "ici_tensor_parallelism",
+    "ici_data_parallelism",
+    "ici_expert_parallelism",
     "rope_original_max_position_embeddings",
 )
 _NON_NEGATIVE = (
@@ -109,7 +110,7 @@ def kv_shared_sources(layer_types: tuple[str, ...], num_kv_shared_layers: int) -
   sources = [-1] * n
   for i in range(first_shared, n):
     kind = layer_types[i]
-    if kind not in ATTENTION_LAYER_TYPES:
+    if not layer_kinds.is_attention_kind(kind):
       raise _fail("num_kv_shared_layers", num_kv_shared_layers, f"layer {i} is {kind}; only attention layers share K/V")
     candidates = [j for j in range(first_shared) if layer_types[j] == kind]
     if not candidates:
@@ -171,20 +172,13 @@ def validate(values: Mapping[str, Any]) -> None:
   layer_types = values["layer_types"] or default_layer_types(values)
   if len(layer_types) != n:
     raise _fail("layer_types", list(layer_types), f"must have one entry per layer (base_num_decoder_layers={n})")
+  names = layer_kinds.layer_kind_names()
   for i, kind in enumerate(layer_types):
-    if kind not in LAYER_TYPES:
-      raise _fail("layer_types", list(layer_types), f"entry {i} ({kind!r}) must be one of {', '.join(LAYER_TYPES)}")
-    if kind == LINEAR_ATTENTION and values["decoder_block"] not in HYBRID_GDN_BLOCKS:
-      raise _fail(
-          "layer_types",
-          list(layer_types),
-          f"layer {i} is linear_attention, which needs decoder_block in {', '.join(HYBRID_GDN_BLOCKS)}"
-          f" (got {values['decoder_block']!r})",
-      )
-  if SLIDING_ATTENTION in layer_types and values["sliding_window_size"] <= 0:
-    raise _fail(
-        "sliding_window_size", values["sliding_window_size"], "must be > 0 when there are sliding_attention layers"
-    )
+    declared = layer_kinds.get_layer_kind(kind)
+    if declared is None:
+      raise _fail("layer_types", list(layer_types), f"entry {i} ({kind!r}) must be one of {', '.join(names)}")
+    if declared.check is not None:
+      declared.check(values, i)
   if values["num_kv_shared_layers"] >= n:
     raise _fail("num_kv_shared_layers", values["num_kv_shared_layers"], f"must be < base_num_decoder_layers={n}")
   kv_shared_sources(tuple(layer_types), values["num_kv_shared_layers"])
@@ -211,8 +205,24 @@ def validate(values: Mapping[str, Any]) -> None:
         values["max_num_batched_tokens"],
         f"must be >= max_num_seqs={values['max_num_seqs']} (every scheduled request needs a token)",
     )
+  _validate_axis_rules(values["logical_axis_rules"])
   if values["decode_sampling_nucleus_p"] > 1.0:
     raise _fail("decode_sampling_nucleus_p", values["decode_sampling_nucleus_p"], "must be <= 1")
+
+
+def _validate_axis_rules(rules: Any) -> None:
+  seen = set()
+  for entry in rules:
+    shown = list(entry) if isinstance(entry, tuple) else entry
+    if not isinstance(entry, tuple) or len(entry) != 2 or not isinstance(entry[0], str):
+      raise _fail("logical_axis_rules", shown, "each entry must be [logical axis, mesh axis | [mesh axes] | null]")
+    target = entry[1]
+    axes = () if target is None else (target,) if isinstance(target, str) else target
+    if not isinstance(axes, tuple) or any(a not in MESH_AXIS_KEYS for a in axes):
+      raise _fail("logical_axis_rules", shown, f"mesh axes must be among {', '.join(MESH_AXIS_KEYS)} (or null)")
+    if entry[0] in seen:
+      raise _fail("logical_axis_rules", shown, f"logical axis {entry[0]!r} has two rules; give one")
+    seen.add(entry[0])
 
 
 def derive(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ LIST_ELEMENT_TYPES: dict[str, type] = {
     "layer_types": str,
     "mlp_only_layers": int,
     "prompt_token_ids": int,
+    "logical_axis_rules": list,  # [logical axis, mesh axis | [mesh axes] | null] pairs
 }
 
 
@@ -96,11 +97,18 @@ def coerce_value(key: str, value: Any, expected: type, source: str) -> Any:
   element_type = LIST_ELEMENT_TYPES[key]
   items = []
   for i, item in enumerate(value):
+    if element_type is list and isinstance(item, tuple):
+      item = list(item)
     ok = isinstance(item, element_type) and not (element_type is int and isinstance(item, bool))
     if not ok:
       raise ConfigError(f"{where}: element {i} must be {element_type.__name__}, got {item!r} ({_type_name(item)})")
-    items.append(item)
+    items.append(_freeze(item) if element_type is list else item)
   return tuple(items)
+
+
+def _freeze(value: Any) -> Any:
+  """Nested lists as nested tuples (configs are immutable and hashable)."""
+  return tuple(_freeze(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def parse_command_line_value(key: str, text: str, expected: type) -> Any:

@@ -18,19 +18,15 @@ of two; padded_num_reqs the smallest power of two >= the request count, at least
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 import numpy as np
 
-from maxtext.inference.kv_cache_manager import ATTENTION, KVCacheManager
+from maxtext.inference.kv_cache_manager import ATTENTION, MIN_REQUEST_BUCKET, KVCacheManager, max_num_reqs
 from maxtext.inference.scheduler import SchedulerOutput
 from maxtext.kernels.attention_metadata import AttentionMetadata
 
-logger = logging.getLogger(__name__)
-
 MIN_TOKEN_BUCKET = 16
-MIN_REQUEST_BUCKET = 8
 # The field names of AttentionMetadata, in its order (metadata_fields() dicts construct it in one line).
 METADATA_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionMetadata))
 
@@ -38,11 +34,6 @@ METADATA_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionMeta
 def next_power_of_two(n: int) -> int:
   """The smallest power of two >= n (1 for n <= 1)."""
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def max_num_reqs(cfg: Any) -> int:
-  """Request rows of the metadata arrays: `max(max_num_seqs, 8)`."""
-  return max(int(cfg.max_num_seqs), MIN_REQUEST_BUCKET)
 
 
 def padded_num_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import collections
 import heapq
-import logging
 from collections.abc import Iterable
-
-logger = logging.getLogger(__name__)
 
 NULL_BLOCK = 0
 

@@ -1,6 +1,6 @@
 """The reference runner's step loop: schedule, allocate, build metadata, run the jitted model, sample.
 
-One step, as tpu-inference does it (design.md, "Data flow of one step"): the scheduler picks requests and token
+One step, as tpu-inference does it (docs/architecture.md, "One step"): the scheduler picks requests and token
 counts; the KV-cache manager allocates blocks per KV-cache group and recurrent state slots; the batch builder makes
 one `AttentionMetadata` per group; `jit(model.__call__)` runs with the caches donated and the layer map static;
 `compute_logits` runs on each request's last hidden state; the sampler picks tokens; the scheduler appends them.
@@ -9,7 +9,6 @@ one `AttentionMetadata` per group; `jit(model.__call__)` runs with the caches do
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,8 +29,7 @@ from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
-
-logger = logging.getLogger(__name__)
+from maxtext.models import sharding
 
 
 @dataclasses.dataclass
@@ -87,27 +85,23 @@ def make_kv_cache_manager(cfg: ml_collections.FrozenConfigDict) -> KVCacheManage
 class LLMEngine:
   """Runs requests to completion with continuous batching over the adapter, like tpu-inference's runner.
 
+  The device mesh is `ici_data_parallelism x ici_tensor_parallelism x ici_expert_parallelism`; parameters and
+  caches are sharded on it as the runner shards them.
+
   Raises:
-    ValueError: `ici_tensor_parallelism` asks for more devices than JAX has.
+    ValueError: the mesh asks for more devices than JAX has.
   """
 
   def __init__(self, cfg: ml_collections.FrozenConfigDict, *, eos_token_id: int | None = None):
     self.cfg = cfg
-    devices = jax.devices()
-    if cfg.ici_tensor_parallelism > len(devices):
-      # Slicing the device list would silently build a smaller mesh than asked for.
-      raise ValueError(
-          f"ici_tensor_parallelism={cfg.ici_tensor_parallelism} needs {cfg.ici_tensor_parallelism} devices, but JAX"
-          f" sees {len(devices)} ({devices[0].platform}); lower ici_tensor_parallelism"
-      )
-    mesh = jax.sharding.Mesh(np.array(devices[: cfg.ici_tensor_parallelism]), ("model",))
-    self.model = MaxTextForCausalLM(vllm_config_from_maxtext(cfg), jax.random.key(cfg.init_seed), mesh)
+    self.mesh = sharding.make_mesh(cfg)
+    self.model = MaxTextForCausalLM(vllm_config_from_maxtext(cfg), jax.random.key(cfg.init_seed), self.mesh)
     if not self.model.is_dummy:
       self.model.load_weights(jax.random.key(cfg.init_seed))
     self.manager = make_kv_cache_manager(cfg)
-    self.kv_caches = self.manager.allocate_caches()
+    self.kv_caches = self.model.shard_kv_caches(self.manager.allocate_caches())
     self.layer_map = self.manager.layer_name_to_kvcache_index
-    self.recurrent_slots = tuple(i for i, c in enumerate(self.kv_caches) if isinstance(c, tuple))
+    self.recurrent_slots = self.manager.recurrent_slot_indices
     self.scheduler = Scheduler(cfg, self.manager, eos_token_id=eos_token_id)
     self.sampler = Sampler(cfg.seed)
     self.stats = EngineStats()
@@ -170,8 +164,7 @@ class LLMEngine:
       return
     index = jnp.asarray(slots, jnp.int32)
     for s in self.recurrent_slots:
-      conv, rec = self.kv_caches[s]
-      self.kv_caches[s] = (conv.at[index].set(0), rec.at[index].set(0))
+      self.kv_caches[s] = tuple(state.at[index].set(0) for state in self.kv_caches[s])
 
   def step(self) -> list[FinishedRequest]:
     """Runs one model step; returns the requests that finished in it."""

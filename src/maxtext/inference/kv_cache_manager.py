@@ -6,7 +6,8 @@ Groups (what shares one block table), from the per-layer specs (`get_kv_cache_sp
     reach any more to their pool.
   - `hybrid_kv_cache=False`: ONE attention group for every attention layer; every layer keeps every block (the
     window is still applied by the attention math).
-  - recurrent (GDN) layers form one more group: they hold no blocks but one state slot per request.
+  - recurrent layers (Gated DeltaNet, any kind whose spec has cache_kind "recurrent") form one more group: they
+    hold no blocks but one state slot per request, the same slot in every recurrent layer's arrays.
   Groups are numbered in order of first occurrence in layer order (as vLLM buckets specs), so a Qwen3-Next model,
   whose layer 0 is GDN, has the recurrent group first. A KV-shared layer belongs to its source's group.
 
@@ -27,23 +28,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from maxtext.configs.derived import LINEAR_ATTENTION
+from maxtext.configs.derived import KV_CACHE_LAYOUTS
+from maxtext.configs.layer_kinds import ATTENTION_CACHE, RECURRENT_CACHE, get_layer_kind
 from maxtext.inference.block_pool import NULL_BLOCK, BlockPool
 from maxtext.inference.state_slots import StateSlotPool
+from maxtext.integration.vllm import hybrid_cache_utils
 
 logger = logging.getLogger(__name__)
 
-ATTENTION = "attention"
-RECURRENT = "recurrent"
-LAYOUTS = ("layer", "hybrid", "shuffled")
-_LAYER_NAME = re.compile(r"^layer\.(\d+)$")
+ATTENTION = ATTENTION_CACHE
+RECURRENT = RECURRENT_CACHE
+MIN_REQUEST_BUCKET = 8
 
 
 def cdiv(a: int, b: int) -> int:
@@ -51,21 +52,24 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-def spec_kind(layer_name: str, spec: Any) -> str:
-  """ "attention" or "recurrent", from the spec's attributes (any object with the spec fields is accepted).
+def max_num_reqs(cfg: Any) -> int:
+  """Requests the runner holds at once, and the request rows of the metadata arrays: `max(max_num_seqs, 8)`."""
+  return max(int(cfg.max_num_seqs), MIN_REQUEST_BUCKET)
+
+
+def spec_kind(name: str, spec: Any) -> str:
+  """The spec's declared `cache_kind`: "attention" or "recurrent".
 
   Raises:
-    TypeError: the object has neither the attention fields (`layer_type`, `block_size`, `sliding_window`,
-      `cache_shape`) nor the recurrent ones (`conv_shape`, `recurrent_shape`, `cache_shapes`).
+    TypeError: the object declares neither (it is not a cache spec).
   """
-  if all(hasattr(spec, a) for a in ("conv_shape", "recurrent_shape", "cache_shapes")):
-    return RECURRENT
-  if all(hasattr(spec, a) for a in ("layer_type", "block_size", "sliding_window", "cache_shape")):
-    return ATTENTION
-  raise TypeError(
-      f"{layer_name}: the KV-cache spec must be an attention spec (layer_type, block_size, sliding_window,"
-      f" cache_shape) or a recurrent spec (conv_shape, recurrent_shape, cache_shapes), got {type(spec).__name__}"
-  )
+  kind = getattr(spec, "cache_kind", None)
+  if kind not in (ATTENTION, RECURRENT):
+    raise TypeError(
+        f"{name}: a KV-cache spec must declare cache_kind {ATTENTION!r} or {RECURRENT!r} (an AttentionSpec or a"
+        f" RecurrentSpec), got {type(spec).__name__} with cache_kind {kind!r}"
+    )
+  return kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +126,7 @@ class CacheSlot:
 
 
 def _layer_index(name: str, where: str) -> int:
-  match = _LAYER_NAME.match(name)
-  if not match:
-    raise ValueError(f"{where}: layer names must look like 'layer.<i>', got {name!r}")
-  return int(match.group(1))
+  return hybrid_cache_utils.parse_layer_name(name, where)
 
 
 class KVCacheManager:
@@ -137,13 +138,13 @@ class KVCacheManager:
     specs: "layer.<i>" -> attention or recurrent spec, for every layer that owns a cache.
     shared_layers: "layer.<i>" (KV-shared) -> "layer.<source>" (an attention layer in `specs`).
     num_state_slots: rows M of every recurrent state array, including the null slot 0; default
-      `max(max_num_seqs, 8) + 1` (one slot per request the runner can hold, as upstream's compact mode).
+      `max_num_reqs(cfg) + 1` (one slot per request the runner can hold, as upstream's compact mode).
 
   Raises:
     ValueError: layer names do not cover `layer.0 .. layer.<L-1>` exactly once, a spec disagrees with
       `cfg.layer_types`, a shared layer's source is not an attention layer with a spec, attention specs in one
       group have different block sizes, or an unknown `kv_cache_layout`.
-    TypeError: a spec has neither the attention nor the recurrent fields.
+    TypeError: a spec declares no cache kind.
   """
 
   def __init__(
@@ -162,13 +163,13 @@ class KVCacheManager:
     owner_slot = {name: slot for slot, name in enumerate(self.slot_owners)}
     slots = []
     for i in range(self.num_layers):
-      name = f"layer.{i}"
+      name = hybrid_cache_utils.layer_name(i)
       slots.append((name, owner_slot[self._shared.get(name, name)]))
     self.layer_name_to_kvcache_index: tuple[tuple[str, int], ...] = tuple(slots)
 
     self.has_recurrent = any(kind == RECURRENT for kind in self._kinds.values())
     if num_state_slots is None:
-      num_state_slots = max(int(cfg.max_num_seqs), 8) + 1
+      num_state_slots = max_num_reqs(cfg) + 1
     self.num_state_slots = num_state_slots
     self._slot_pool = StateSlotPool(num_state_slots) if self.has_recurrent else None
     self._pools = {g.group_id: BlockPool(self.num_blocks, name=g.describe()) for g in self.groups if g.kind == ATTENTION}
@@ -186,7 +187,7 @@ class KVCacheManager:
   def _validate_layers(self, cfg: Any) -> dict[str, str]:
     """Checks the names against the config; returns the kind of every layer that owns a cache."""
     layer_types = tuple(cfg.layer_types)
-    expected = {f"layer.{i}" for i in range(self.num_layers)}
+    expected = {hybrid_cache_utils.layer_name(i) for i in range(self.num_layers)}
     for name in list(self._specs) + list(self._shared):
       _layer_index(name, "KVCacheManager")
     overlap = sorted(set(self._specs) & set(self._shared), key=lambda n: _layer_index(n, ""))
@@ -204,10 +205,17 @@ class KVCacheManager:
     for name, spec in self._specs.items():
       kind = spec_kind(name, spec)
       configured = layer_types[_layer_index(name, "")]
-      if kind == RECURRENT and configured != LINEAR_ATTENTION:
-        raise ValueError(f"{name} has a recurrent spec but cfg.layer_types says {configured}")
-      if kind == ATTENTION and spec.layer_type != configured:
-        raise ValueError(f"{name} has an attention spec of type {spec.layer_type} but cfg.layer_types says {configured}")
+      declared = get_layer_kind(configured)
+      article = "an" if kind == ATTENTION else "a"
+      if declared is not None and declared.cache_kind != kind:
+        raise ValueError(
+            f"{name} has {article} {kind} spec but cfg.layer_types says {configured}, whose caches are"
+            f" {declared.cache_kind}"
+        )
+      if spec.layer_type != configured:
+        raise ValueError(
+            f"{name} has {article} {kind} spec of type {spec.layer_type} but cfg.layer_types says {configured}"
+        )
       kinds[name] = kind
     for name, source in self._shared.items():
       if source not in self._specs or kinds[source] != ATTENTION:
@@ -217,7 +225,7 @@ class KVCacheManager:
   def _form_groups(self, hybrid_kv_cache: bool) -> tuple[KVCacheGroup, ...]:
     keys: dict[Any, list[str]] = {}  # insertion order = first occurrence in layer order
     for i in range(self.num_layers):
-      name = f"layer.{i}"
+      name = hybrid_cache_utils.layer_name(i)
       owner = self._shared.get(name, name)
       spec = self._specs[owner]
       if self._kinds[owner] == RECURRENT:
@@ -245,7 +253,8 @@ class KVCacheManager:
     return tuple(groups)
 
   def _physical_order(self, layout: str, seed: int) -> tuple[str, ...]:
-    owners = [f"layer.{i}" for i in range(self.num_layers) if f"layer.{i}" in self._specs]
+    names = [hybrid_cache_utils.layer_name(i) for i in range(self.num_layers)]
+    owners = [name for name in names if name in self._specs]
     if layout == "layer":
       return tuple(owners)
     if layout == "hybrid":
@@ -255,9 +264,14 @@ class KVCacheManager:
     if layout == "shuffled":
       permutation = np.random.default_rng(seed).permutation(len(owners))
       return tuple(owners[int(p)] for p in permutation)
-    raise ValueError(f"kv_cache_layout={layout!r}: must be one of {', '.join(LAYOUTS)}")
+    raise ValueError(f"kv_cache_layout={layout!r}: must be one of {', '.join(KV_CACHE_LAYOUTS)}")
 
   # ------------------------------------------------------------------ physical caches
+  @property
+  def recurrent_slot_indices(self) -> tuple[int, ...]:
+    """Indices of the physical list that hold recurrent state tuples (their rows are state slots)."""
+    return tuple(i for i, owner in enumerate(self.slot_owners) if self._kinds[owner] == RECURRENT)
+
   @property
   def attention_group_ids(self) -> tuple[int, ...]:
     """Ids of the groups that hold blocks."""
@@ -284,7 +298,7 @@ class KVCacheManager:
     num_blocks = self._check_num_blocks(num_blocks)
     users: dict[str, list[str]] = {owner: [owner] for owner in self.slot_owners}
     for i in range(self.num_layers):
-      name = f"layer.{i}"
+      name = hybrid_cache_utils.layer_name(i)
       if name in self._shared:
         users[self._shared[name]].append(name)
     described = []
@@ -292,7 +306,7 @@ class KVCacheManager:
       spec = self._specs[owner]
       if self._kinds[owner] == RECURRENT:
         shapes = tuple(tuple(s) for s in spec.cache_shapes(self.num_state_slots))
-        dtypes = (str(spec.conv_dtype), str(spec.recurrent_dtype))
+        dtypes = tuple(str(d) for d in spec.state_dtypes)
         nbytes = int(spec.slot_size_bytes()) * self.num_state_slots
       else:
         shapes = (tuple(spec.cache_shape(num_blocks)),)
@@ -325,8 +339,9 @@ class KVCacheManager:
   def allocate_caches(self, num_blocks: int | None = None) -> list[Any]:
     """Zero-filled physical caches in the runner's shapes and dtypes, in physical order.
 
-    Attention entry: one array `spec.cache_shape(num_blocks)`; recurrent entry: a tuple
-    `(conv zeros [M, K-1, conv_dim] conv_dtype, recurrent zeros [M, nv, dk, dv] recurrent_dtype)`.
+    Attention entry: one array `spec.cache_shape(num_blocks)`; recurrent entry: a tuple of zero arrays
+    `spec.cache_shapes(M)` in `spec.state_dtypes` (Gated DeltaNet: conv `[M, K-1, conv_dim]`, recurrent
+    `[M, nv, dk, dv]`).
 
     Args:
       num_blocks: blocks per attention array (default `cfg.num_kv_blocks`; must be at least that, or block ids the
@@ -337,8 +352,8 @@ class KVCacheManager:
     for owner in self.slot_owners:
       spec = self._specs[owner]
       if self._kinds[owner] == RECURRENT:
-        conv_shape, recurrent_shape = spec.cache_shapes(self.num_state_slots)
-        caches.append((jnp.zeros(conv_shape, spec.conv_dtype), jnp.zeros(recurrent_shape, spec.recurrent_dtype)))
+        shapes = spec.cache_shapes(self.num_state_slots)
+        caches.append(tuple(jnp.zeros(shape, dtype) for shape, dtype in zip(shapes, spec.state_dtypes)))
       else:
         caches.append(jnp.zeros(spec.cache_shape(num_blocks), spec.dtype))
     return caches

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+import ml_collections
 from tqdm import tqdm
 
 from maxtext.checkpoint import load_run_config
@@ -15,8 +15,6 @@ from maxtext.inference.engine import FinishedRequest, LLMEngine
 from maxtext.inference.sampler import TokenLogprobs
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.tokenizer import tokenizer_from_config
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +44,29 @@ class LLM:
   Args:
     config_path: base YAML (default: the package's base.yml).
     argv: extra `key=value` strings, as on the command line.
+    config: an already-built config (`load_run_config(...)`), used as it is; then no other argument may be given.
     **overrides: config keys, e.g. `model_name="qwen3-next-tiny"`.
+
+  Raises:
+    TypeError: `config` is not a built config, or is combined with a path, argv or overrides.
   """
 
-  def __init__(self, config_path: str | None = None, *, argv: Sequence[str] = (), **overrides: Any):
-    self.cfg = load_run_config(([config_path] if config_path else []) + list(argv), **overrides)
+  def __init__(
+      self,
+      config_path: str | None = None,
+      *,
+      argv: Sequence[str] = (),
+      config: ml_collections.FrozenConfigDict | None = None,
+      **overrides: Any,
+  ):
+    if config is not None:
+      if not isinstance(config, ml_collections.FrozenConfigDict):
+        raise TypeError(f"LLM(config=...) takes a config built by load_run_config, got {type(config).__name__}")
+      if config_path or argv or overrides:
+        raise TypeError("LLM(config=...) takes the built config alone; pass overrides when building it instead")
+      self.cfg = config
+    else:
+      self.cfg = load_run_config(([config_path] if config_path else []) + list(argv), **overrides)
     self.tokenizer = tokenizer_from_config(self.cfg)
     self.engine = LLMEngine(self.cfg, eos_token_id=self.tokenizer.eos_token_id)
 

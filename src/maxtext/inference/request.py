@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import logging
 from collections.abc import Sequence
 
 from maxtext.inference.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"

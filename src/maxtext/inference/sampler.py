@@ -16,15 +16,12 @@ sampled token's value and the n largest (ties broken by lower id).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from maxtext.inference.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)

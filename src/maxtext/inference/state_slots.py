@@ -10,9 +10,6 @@ those rows of every recurrent cache, so no stale state can leak into a later req
 from __future__ import annotations
 
 import heapq
-import logging
-
-logger = logging.getLogger(__name__)
 
 NULL_SLOT = 0
 

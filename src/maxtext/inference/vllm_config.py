@@ -12,9 +12,6 @@ from typing import Any
 
 import ml_collections
 
-from maxtext.configs import config_to_dict
-from maxtext.configs.loader import base_key_types
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -58,18 +55,17 @@ class ReferenceVllmConfig:
 
 
 def vllm_config_from_maxtext(cfg: ml_collections.FrozenConfigDict) -> ReferenceVllmConfig:
-  """A vLLM-shaped config that makes the adapter rebuild exactly `cfg`.
+  """A vLLM-shaped config that hands the adapter exactly `cfg`, already built (it is not parsed again).
 
-  Every base.yml key goes into `additional_config["maxtext_config"]`; `load_format` is "dummy" (random weights)
-  when neither `load_parameters_path` nor `hf_model_path` is set.
+  `additional_config["maxtext_config"]` is `cfg` itself; `load_format` is "dummy" (random weights) when neither
+  `load_parameters_path` nor `hf_model_path` is set. A real `VllmConfig` carries plain overrides there instead,
+  from which the adapter builds the config.
   """
-  base_keys = base_key_types()
-  overrides = {k: v for k, v in config_to_dict(cfg).items() if k in base_keys}
   has_checkpoint = bool(cfg.load_parameters_path or cfg.hf_model_path)
   return ReferenceVllmConfig(
       model_config=ModelConfig(hf_config=None, max_model_len=cfg.max_target_length),
       load_config=LoadConfig(load_format="auto" if has_checkpoint else "dummy"),
       cache_config=CacheConfig(block_size=cfg.block_size, cache_dtype=cfg.kv_cache_dtype),
       sharding_config=ShardingConfig(tensor_parallelism=cfg.ici_tensor_parallelism),
-      additional_config={"maxtext_config": overrides},
+      additional_config={"maxtext_config": cfg},
   )

@@ -1,4 +1,4 @@
-"""The runner's per-step attention metadata as JAX pytrees (contract.md section 3).
+"""The runner's per-step attention metadata as JAX pytrees (docs/runner-contract.md).
 
 `AttentionMetadata` describes one ragged batch for one KV-cache group. With more than one group (hybrid models:
 sliding-window and full-attention layers, or recurrent layers) the runner passes a `GroupedAttentionMetadata`, a
@@ -7,13 +7,10 @@ gives every layer of a group the very same object and per-group derived values a
 """
 
 import dataclasses
-import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import jax
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)

@@ -1,4 +1,4 @@
-"""Physical layout of the paged attention KV cache, as the TPU runner allocates it (contract.md section 2).
+"""Physical layout of the paged attention KV cache, as the TPU runner allocates it (docs/runner-contract.md).
 
 One cache array per attention slot, rank 5, zero-filled by the runner:
 
@@ -12,14 +12,10 @@ One cache array per attention slot, rank 5, zero-filled by the runner:
 zeros and are never read back as data.
 """
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
-
-logger = logging.getLogger(__name__)
 
 # The lane width of the TPU vector unit: the head dim of the cache is padded to a multiple of it.
 LANE_WIDTH = 128
@@ -93,7 +89,7 @@ def uses_hd64_layout(head_dim: int) -> bool:
 def get_kv_cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike
 ) -> tuple[int, int, int, int, int]:
-  """Shape of one layer's paged KV cache (contract.md section 2).
+  """Shape of one layer's paged KV cache (docs/runner-contract.md).
 
   Args:
     num_blocks: number of pages N.

@@ -6,13 +6,10 @@ A ragged batch packs the tokens of up to S requests back to back: request i owns
 `distribution[2]`. Everything here is static-shape and jit-compatible.
 """
 
-import logging
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-logger = logging.getLogger(__name__)
 
 
 class TokenLayout(NamedTuple):

@@ -1,19 +1,16 @@
-"""Ragged causal depthwise conv1d with a per-request state: the GDN input conv of the paged path (contract.md 5).
+"""Ragged causal depthwise conv1d with a per-request state: the GDN input conv of the paged path.
 
-Each real request r convolves its new tokens `x_r` over `[conv_state[slot] (K - 1 rows); x_r]` (zeros instead
-of the stored rows when the request has no earlier tokens), applies SiLU, and stores the last K - 1 raw rows of
-that concatenation back into its slot. Fully vectorised: every output row gathers its K taps, either from `x` or
-from the request's stored rows, so decodes, prefills and chunked prefills share one code path.
+The runner's algorithm (docs/runner-contract.md): each real request r convolves its new tokens `x_r` over
+`[conv_state[slot] (K - 1 rows); x_r]` (zeros instead of the stored rows when the request has no earlier tokens),
+applies SiLU, and stores the last K - 1 raw rows of that concatenation back into its slot. Fully vectorised:
+every output row gathers its K taps, either from `x` or from the request's stored rows, so decodes, prefills and
+chunked prefills share one code path.
 """
-
-import logging
 
 import jax
 import jax.numpy as jnp
 
 from maxtext.kernels import ragged_batch
-
-logger = logging.getLogger(__name__)
 
 
 def _validate(x, conv_state, weight, bias, state_indices, query_start_loc, seq_lens, distribution) -> None:

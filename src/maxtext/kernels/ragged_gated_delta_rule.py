@@ -1,4 +1,4 @@
-"""Ragged gated delta rule with per-request recurrent states: the GDN core of the paged path (contract.md 5).
+"""Ragged gated delta rule with per-request recurrent states: the GDN core of the paged path (docs/runner-contract.md).
 
 Approach: a `lax.scan` over the T tokens of the batch, carrying the running state of the current request
 (`[nv, dk, dv]` fp32) and the slot array. A request's first token loads its initial state (its slot, or zeros
@@ -7,14 +7,10 @@ prefills share this path; the sequential cost is one small step per token, fine 
 per-token algebra is the recurrent form of the gated delta rule; a TPU backend replaces the whole function.
 """
 
-import logging
-
 import jax
 import jax.numpy as jnp
 
 from maxtext.kernels import ragged_batch
-
-logger = logging.getLogger(__name__)
 
 _L2_EPS = 1e-6
 

@@ -1,4 +1,4 @@
-"""Ragged paged attention in pure JAX: the reference backend of the runner's attention op (contract.md section 4).
+"""Ragged paged attention in pure JAX: the reference backend of the runner's attention op (docs/runner-contract.md).
 
 One call serves a whole ragged batch (decodes, prefills and chunked prefills mixed): it writes the new K/V rows
 into the paged cache, then every query attends causally over its request's cached tokens.
@@ -12,16 +12,12 @@ static; the cost per token is that of attending over `P * block_size` keys, whic
 backend runs on CPU. A TPU backend replaces this function as a whole (same signature and cache layout).
 """
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from maxtext.kernels import kv_cache_layout
 from maxtext.kernels import ragged_batch
-
-logger = logging.getLogger(__name__)
 
 # Upper bound on the pages gathered for one block of queries (bytes); sets the default `query_block_size`.
 _GATHER_BUDGET_BYTES = 64 * 1024 * 1024

@@ -3,23 +3,42 @@
 Variants: q/k RMSNorm before RoPE, partial RoPE, per-head sigmoid output gate (Qwen3-Next/3.5), sliding window,
 tanh logit soft cap, projection biases, and KV-shared layers that read K/V computed by a source layer.
 
-The module splits into `query`, `key_value`, `attend` (the core op) and `output` so that a paged path can
-replace only the core op with a kernel while reusing projections, norms, RoPE and gates.
+The module splits into `query`, `key_value`, `attend` (the core op) and `output` so that the paged path replaces
+only the core op with the kernel backend's ragged paged attention while reusing projections, norms, RoPE and gates.
+`Attention` is the mixer of the `full_attention` and `sliding_attention` layer kinds.
 """
-
-import logging
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 
+from maxtext.configs.errors import ConfigError
+from maxtext.configs.layer_kinds import ATTENTION_CACHE, FULL_ATTENTION, SLIDING_ATTENTION
 from maxtext.kernels.attention_metadata import AttentionMetadata
-from maxtext.kernels.ragged_paged_attention import ragged_paged_attention
+from maxtext.kernels.backend import KernelBackend
+from maxtext.kernels.cache_spec import AttentionSpec, kv_cache_dtype
+from maxtext.kernels.kv_cache_layout import get_padded_num_heads
 from maxtext.layers.linears import DenseGeneral
+from maxtext.layers.mixer import KV, Mixer, register_mixer
 from maxtext.layers.normalizations import RMSNorm
 from maxtext.layers.rotary import RopeSpec, apply_rope
 
-logger = logging.getLogger(__name__)
+
+def rope_spec(cfg: ml_collections.FrozenConfigDict, layer_type: str) -> RopeSpec:
+  """RoPE of an attention layer: global layers use `rope_max_timescale` and `rope_type` scaling; sliding layers
+  use `local_rope_max_timescale` without scaling."""
+  if layer_type == SLIDING_ATTENTION:
+    return RopeSpec(rotary_dim=cfg.rotary_dim, theta=cfg.local_rope_max_timescale)
+  return RopeSpec(
+      rotary_dim=cfg.rotary_dim,
+      theta=cfg.rope_max_timescale,
+      rope_type=cfg.rope_type,
+      scaling_factor=cfg.rope_scaling_factor,
+      low_freq_factor=cfg.rope_low_freq_factor,
+      high_freq_factor=cfg.rope_high_freq_factor,
+      original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+  )
 
 
 def attention_mask(q_index: jax.Array, kv_index: jax.Array, *, sliding_window: int = 0) -> jax.Array:
@@ -78,8 +97,13 @@ def dot_product_attention(
   return out.reshape(b, t, hq, dh)
 
 
-class Attention(nnx.Module):
-  """Attention layer with parameters `q`, `gate`, `k`, `v`, `o`, `q_norm`, `k_norm` (see INTERFACES.md)."""
+@register_mixer
+class Attention(Mixer):
+  """Attention mixer with parameters `q`, `gate`, `k`, `v`, `o`, `q_norm`, `k_norm` (kernels `[in..., out...]`)."""
+
+  layer_types = (FULL_ATTENTION, SLIDING_ATTENTION)
+  cache_kind = ATTENTION_CACHE
+  param_name = "attn"
 
   def __init__(
       self,
@@ -98,6 +122,7 @@ class Attention(nnx.Module):
       norm_eps: float = 1e-6,
       use_output_gate: bool = False,
       is_kv_shared: bool = False,
+      cache_kv_heads: int | None = None,
       dtype: jnp.dtype = jnp.float32,
       weight_dtype: jnp.dtype = jnp.float32,
       rngs: nnx.Rngs,
@@ -110,8 +135,15 @@ class Attention(nnx.Module):
       raise ValueError(f"rotary_dim {rope.rotary_dim} must not exceed head_dim {head_dim}")
     if sliding_window < 0:
       raise ValueError(f"sliding_window must be >= 0, got {sliding_window}")
+    cache_kv_heads = num_kv_heads if cache_kv_heads is None else int(cache_kv_heads)
+    if cache_kv_heads % num_kv_heads or num_query_heads % cache_kv_heads:
+      raise ValueError(
+          f"the cache's KV heads ({cache_kv_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) that divides"
+          f" num_query_heads ({num_query_heads})"
+      )
     self.num_query_heads = num_query_heads
     self.num_kv_heads = num_kv_heads
+    self.cache_kv_heads = cache_kv_heads
     self.head_dim = head_dim
     self.scale = float(attention_scale)
     self.rope = rope
@@ -132,6 +164,59 @@ class Attention(nnx.Module):
     norm_kw = {"eps": norm_eps, "zero_centered": zero_centered_norm, "weight_dtype": weight_dtype}
     self.q_norm = RMSNorm(head_dim, **norm_kw) if use_qk_norm else None
     self.k_norm = RMSNorm(head_dim, **norm_kw) if use_qk_norm and not is_kv_shared else None
+
+  @classmethod
+  def from_config(cls, cfg: ml_collections.FrozenConfigDict, layer_index: int, *, rngs: nnx.Rngs) -> "Attention":
+    """The attention of layer `layer_index`: its kind picks the window and RoPE; KV-shared layers get no k/v."""
+    layer_type = cfg.layer_types[layer_index]
+    return cls(
+        emb_dim=cfg.base_emb_dim,
+        num_query_heads=cfg.base_num_query_heads,
+        num_kv_heads=cfg.base_num_kv_heads,
+        head_dim=cfg.head_dim,
+        attention_scale=cfg.attention_scale,
+        rope=rope_spec(cfg, layer_type),
+        sliding_window=cfg.sliding_window_size if layer_type == SLIDING_ATTENTION else 0,
+        soft_cap=cfg.attn_logits_soft_cap,
+        use_bias=cfg.attention_bias,
+        use_qk_norm=cfg.use_qk_norm,
+        zero_centered_norm=cfg.use_zero_centered_norm,
+        norm_eps=cfg.normalization_layer_epsilon,
+        use_output_gate=cfg.use_attention_output_gate,
+        is_kv_shared=cfg.kv_shared_source[layer_index] >= 0,
+        cache_kv_heads=cls.cache_spec(cfg, layer_index).num_kv_heads,
+        dtype=jnp.dtype(cfg.dtype),
+        weight_dtype=jnp.dtype(cfg.weight_dtype),
+        rngs=rngs,
+    )
+
+  @classmethod
+  def cache_spec(cls, cfg: ml_collections.FrozenConfigDict, layer_index: int) -> AttentionSpec:
+    """A paged KV cache (KV heads padded to the tensor-parallel size, as the runner pads them).
+
+    Raises:
+      ConfigError: the KV heads can neither be split over nor replicated to `ici_tensor_parallelism` shards, or
+        the replicated heads no longer divide the query heads.
+    """
+    layer_type = cfg.layer_types[layer_index]
+    tp, hkv, hq = cfg.ici_tensor_parallelism, cfg.base_num_kv_heads, cfg.base_num_query_heads
+    try:
+      cache_heads = get_padded_num_heads(hkv, tp)
+    except ValueError as e:
+      raise ConfigError(f"ici_tensor_parallelism={tp}: base_num_kv_heads={hkv} cannot be sharded: {e}") from None
+    if hq % cache_heads:
+      raise ConfigError(
+          f"ici_tensor_parallelism={tp}: the runner replicates base_num_kv_heads={hkv} to {cache_heads} KV heads,"
+          f" which must divide base_num_query_heads={hq}"
+      )
+    return AttentionSpec(
+        layer_type=layer_type,
+        block_size=cfg.block_size,
+        num_kv_heads=cache_heads,
+        head_dim=cfg.head_dim,
+        dtype=kv_cache_dtype(cfg),
+        sliding_window=cfg.sliding_window_size if layer_type == SLIDING_ATTENTION else None,
+    )
 
   def query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     """Queries after q-norm and RoPE: `[..., T, D] -> [..., T, Hq, Dh]`."""
@@ -162,19 +247,22 @@ class Attention(nnx.Module):
     return self.o(attn)
 
   def paged(
-      self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
+      self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, backend: KernelBackend
   ) -> tuple[jax.Array, jax.Array]:
-    """Runner path: a flat ragged batch against this layer's paged cache (contract.md section 4).
+    """Runner path: a flat ragged batch against this layer's paged cache, through `backend.ragged_paged_attention`.
 
     The new tokens' K/V are written at their positions, then every query attends causally (and within the
-    window) over its request's pages. A KV-shared layer computes no K/V: it reads the cache its source layer has
-    just updated in this same step and writes nothing.
+    window) over its request's pages. When the cache holds more KV heads than the layer has (the runner
+    replicates KV heads up to the tensor-parallel size), each KV head is repeated into its replicas, which keeps
+    query head h reading the copy of KV head h // (Hq / Hkv). A KV-shared layer computes no K/V: it reads the
+    cache its source layer has just updated in this same step and writes nothing.
 
     Args:
       x: `[T, D]` normalised hidden states of the flat batch.
       positions: `[T]` RoPE positions.
       kv_cache: `[N, bs, 2Hkv/pk, pk, Dpad]` paged cache (for a KV-shared layer, the source's updated cache).
       md: this layer's metadata (its KV-cache group's block tables).
+      backend: the kernel backend.
 
     Returns:
       output `[T, D]` and the cache (the same object for KV-shared layers).
@@ -184,7 +272,10 @@ class Attention(nnx.Module):
       k = v = None
     else:
       k, v = self.key_value(x, positions)
-    out, new_cache = ragged_paged_attention(
+      if self.cache_kv_heads != self.num_kv_heads:
+        replicas = self.cache_kv_heads // self.num_kv_heads
+        k, v = jnp.repeat(k, replicas, axis=1), jnp.repeat(v, replicas, axis=1)
+    out, new_cache = backend.ragged_paged_attention(
         q,
         k,
         v,
@@ -193,11 +284,12 @@ class Attention(nnx.Module):
         md.block_tables,
         md.query_start_loc,
         md.request_distribution,
-        sm_scale=self.scale,
-        sliding_window=self.sliding_window or None,
-        soft_cap=self.soft_cap or None,
+        None,
+        self.scale,
+        attention_chunk_size=self.sliding_window or None,
         update_kv_cache=not self.is_kv_shared,
-        num_kv_heads=self.num_kv_heads,
+        attn_logits_soft_cap=self.soft_cap or None,
+        num_kv_heads=self.cache_kv_heads,
     )
     if self.is_kv_shared:
       new_cache = kv_cache  # Readers hand back the object they were given: exactly one writer per slot.
@@ -207,18 +299,22 @@ class Attention(nnx.Module):
       self,
       x: jax.Array,
       positions: jax.Array,
-      shared_kv: tuple[jax.Array, jax.Array] | None = None,
-  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+      shared_kv: KV | None = None,
+      *,
+      chunked: bool = True,
+  ) -> tuple[jax.Array, KV]:
     """Dense full-sequence causal attention.
 
     Args:
       x: `[B, T, D]` normalised hidden states.
       positions: `[B, T]` RoPE positions.
       shared_kv: for KV-shared layers, the source layer's `(k, v)` `[B, T, Hkv, Dh]` (required); else None.
+      chunked: unused (attention has one full-sequence form).
 
     Returns:
       output `[B, T, D]` and the `(k, v)` used (so later layers can share them).
     """
+    del chunked  # Attention has one full-sequence form.
     if self.is_kv_shared:
       if shared_kv is None:
         raise ValueError("KV-shared attention layer needs shared_kv from its source layer, got None")

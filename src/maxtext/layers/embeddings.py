@@ -1,6 +1,5 @@
 """Token embedding with an optional sqrt(D) scale, and the tied output head (`attend`)."""
 
-import logging
 import math
 
 import jax
@@ -8,8 +7,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtext.layers.initializers import draw_key, fan_in_uniform
-
-logger = logging.getLogger(__name__)
 
 
 def embed_tokens(embedding: jax.Array, tokens: jax.Array, *, scale: float | None, dtype: jnp.dtype) -> jax.Array:

@@ -2,24 +2,25 @@
 
 The delta rule has two forms that agree: a chunked full-sequence form (UT transform, triangular solve per chunk)
 and a per-token recurrent form. Both run in float32 and take an optional initial state, so prefill/decode and a
-paged kernel can reuse the projection, conv, gate and output code around them.
+paged kernel can reuse the projection, conv, gate and output code around them. `GatedDeltaNet` is the mixer of
+the `linear_attention` layer kind; its paged path is one call of the kernel backend's `gdn_attention`.
 """
 
-import logging
 import math
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 
+from maxtext.configs.layer_kinds import LINEAR_ATTENTION, RECURRENT_CACHE
 from maxtext.kernels.attention_metadata import AttentionMetadata
-from maxtext.kernels.ragged_conv1d import ragged_conv1d
-from maxtext.kernels.ragged_gated_delta_rule import ragged_gated_delta_rule
+from maxtext.kernels.backend import KernelBackend
+from maxtext.kernels.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
 from maxtext.layers.initializers import draw_key, fan_in_uniform, uniform
 from maxtext.layers.linears import DenseGeneral
+from maxtext.layers.mixer import KV, Mixer, register_mixer
 from maxtext.layers.normalizations import RMSNorm, gated_rms_norm
-
-logger = logging.getLogger(__name__)
 
 L2_NORM_EPS = 1e-6
 
@@ -175,12 +176,17 @@ def delta_rule_chunked(
   return o, state
 
 
-class GatedDeltaNet(nnx.Module):
+@register_mixer
+class GatedDeltaNet(Mixer):
   """Gated DeltaNet mixer with parameters `qkv`, `z`, `b`, `a`, `conv`, `A_log`, `dt_bias`, `norm`, `out`.
 
   Channel order of `qkv` and `conv` is flat `[q nk*hk | k nk*hk | v nv*hv]`; value head `g*r + j` (r = nv/nk)
-  reads key head `g`.
+  reads key head `g`. Its cache is a `(conv [M, K-1, C], recurrent [M, nv, hk, hv] fp32)` state slot pair.
   """
+
+  layer_types = (LINEAR_ATTENTION,)
+  cache_kind = RECURRENT_CACHE
+  param_name = "gdn"
 
   def __init__(
       self,
@@ -219,6 +225,37 @@ class GatedDeltaNet(nnx.Module):
     self.dt_bias = nnx.Param(jnp.ones((num_value_heads,), weight_dtype))
     self.norm = RMSNorm(value_head_dim, eps=norm_eps, zero_centered=False, weight_dtype=weight_dtype)
     self.out = DenseGeneral(num_value_heads * value_head_dim, emb_dim, **kw)
+
+  @classmethod
+  def from_config(cls, cfg: ml_collections.FrozenConfigDict, layer_index: int, *, rngs: nnx.Rngs) -> "GatedDeltaNet":
+    """The Gated DeltaNet of a linear_attention layer, from the `gdn_*` keys."""
+    del layer_index  # Every linear_attention layer has the same shape.
+    return cls(
+        emb_dim=cfg.base_emb_dim,
+        num_key_heads=cfg.gdn_num_key_heads,
+        num_value_heads=cfg.gdn_num_value_heads,
+        key_head_dim=cfg.gdn_key_head_dim,
+        value_head_dim=cfg.gdn_value_head_dim,
+        conv_kernel_dim=cfg.gdn_conv_kernel_dim,
+        chunk_size=cfg.gdn_chunk_size,
+        norm_eps=cfg.normalization_layer_epsilon,
+        dtype=jnp.dtype(cfg.dtype),
+        weight_dtype=jnp.dtype(cfg.weight_dtype),
+        rngs=rngs,
+    )
+
+  @classmethod
+  def cache_spec(cls, cfg: ml_collections.FrozenConfigDict, layer_index: int) -> RecurrentSpec:
+    """A state slot pair: conv `(K-1, conv_dim)` in the compute dtype and recurrent `(nv, hk, hv)` in fp32."""
+    return RecurrentSpec(
+        layer_type=cfg.layer_types[layer_index],
+        state_names=("conv", "recurrent"),
+        state_shapes=(
+            (cfg.gdn_conv_kernel_dim - 1, cfg.gdn_conv_dim),
+            (cfg.gdn_num_value_heads, cfg.gdn_key_head_dim, cfg.gdn_value_head_dim),
+        ),
+        state_dtypes=(cfg.dtype, RECURRENT_STATE_DTYPE),
+    )
 
   def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Input projections: `[..., D]` -> qkv `[..., C]`, z `[..., nv, hv]`, b `[..., nv]`, a `[..., nv]`."""
@@ -289,15 +326,22 @@ class GatedDeltaNet(nnx.Module):
     return self.output(o, z), conv_state, recurrent_state
 
   def paged(
-      self, x: jax.Array, state: tuple[jax.Array, jax.Array], md: AttentionMetadata
+      self,
+      x: jax.Array,
+      positions: jax.Array,
+      state: tuple[jax.Array, jax.Array],
+      md: AttentionMetadata,
+      backend: KernelBackend,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Runner path: a flat ragged batch continuing each request from its state slot (contract.md section 5).
+    """Runner path: a flat ragged batch continuing each request from its state slot, via `backend.gdn_attention`.
 
     Args:
       x: `[T, D]` normalised hidden states of the flat batch.
+      positions: `[T]` (unused: the recurrence carries position).
       state: `(conv_state [M, K-1, C], recurrent_state [M, nv, hk, hv] float32)`, addressed by
         `md.mamba_state_indices` (slot 0 is the null slot).
       md: the step's metadata (block tables are ignored).
+      backend: the kernel backend.
 
     Returns:
       output `[T, D]` and the new `(conv_state, recurrent_state)`.
@@ -305,26 +349,47 @@ class GatedDeltaNet(nnx.Module):
     Raises:
       ValueError: the metadata has no `mamba_state_indices`.
     """
+    del positions  # The recurrence carries position; the runner passes positions to every layer.
     if md.mamba_state_indices is None:
       raise ValueError("a linear_attention layer needs attention_metadata.mamba_state_indices (its state slots)")
     conv_state, recurrent_state = state
     qkv, z, b, a = self.project(x)
+    kernel_size = self.conv.kernel.shape[0]
     weight = jnp.transpose(self.conv.kernel[...])[:, None, :]  # [K, C] -> the runner's [C, 1, K]
-    args = (md.mamba_state_indices, md.query_start_loc, md.seq_lens, md.request_distribution)
-    conv_out, conv_state = ragged_conv1d(qkv, conv_state, weight, None, *args)
-    nkk = self.nk * self.hk
-    t = conv_out.shape[0]
-    q = conv_out[:, :nkk].reshape(t, self.nk, self.hk)
-    k = conv_out[:, nkk : 2 * nkk].reshape(t, self.nk, self.hk)
-    v = conv_out[:, 2 * nkk :].reshape(t, self.nv, self.hv)
-    o, recurrent_state = ragged_gated_delta_rule(
-        q, k, v, b, a, self.A_log[...], self.dt_bias[...], recurrent_state, *args
+    state, out = backend.gdn_attention(
+        qkv,
+        b,
+        a,
+        conv_state,
+        recurrent_state,
+        weight,
+        None,
+        self.A_log[...],
+        self.dt_bias[...],
+        md.mamba_state_indices,
+        md.query_start_loc,
+        md.request_distribution,
+        md.seq_lens,
+        self.nk,
+        self.nv,
+        self.hk,
+        self.hv,
+        kernel_size,
     )
-    return self.output(o, z), (conv_state, recurrent_state)
+    return self.output(out.reshape(out.shape[0], self.nv, self.hv), z), state
 
-  def __call__(self, x: jax.Array, *, chunked: bool = True) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
-    """Full-sequence causal mixer from zero state: `[B, T, D] -> [B, T, D]`."""
-    return self.forward_with_state(x, chunked=chunked)[0]
+  def __call__(  # pylint: disable=arguments-differ  # nnx call hook
+      self, x: jax.Array, positions: jax.Array | None = None, shared_kv: KV | None = None, *, chunked: bool = True
+  ) -> tuple[jax.Array, None]:
+    """Full-sequence causal mixer from zero state: `[B, T, D] -> ([B, T, D], None)` (nothing to share).
+
+    Raises:
+      ValueError: `shared_kv` was given (Gated DeltaNet layers do not share K/V).
+    """
+    del positions  # The recurrence carries position.
+    if shared_kv is not None:
+      raise ValueError("a linear_attention (Gated DeltaNet) layer cannot take shared K/V")
+    return self.forward_with_state(x, chunked=chunked)[0], None
 
 
 class _Conv(nnx.Module):

@@ -7,15 +7,12 @@ cheap inside `jax.jit` / `nnx.eval_shape`, and still a deterministic function of
 """
 
 import functools
-import logging
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-logger = logging.getLogger(__name__)
 
 _SQRT3 = math.sqrt(3.0)
 

@@ -1,6 +1,5 @@
 """Dense projections with multi-axis inputs and outputs (kernels stored [in..., out...])."""
 
-import logging
 import math
 from typing import Sequence
 
@@ -10,8 +9,6 @@ import numpy as np
 from flax import nnx
 
 from maxtext.layers.initializers import draw_key, fan_in_uniform
-
-logger = logging.getLogger(__name__)
 
 
 def _as_shape(features: int | Sequence[int], name: str) -> tuple[int, ...]:

@@ -1,6 +1,5 @@
 """Gated MLP: `down(act(gate(x)) * up(x))` with silu or tanh-approximated gelu."""
 
-import logging
 from typing import Callable
 
 import jax
@@ -8,8 +7,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtext.layers.linears import DenseGeneral
-
-logger = logging.getLogger(__name__)
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,

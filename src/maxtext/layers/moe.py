@@ -1,19 +1,16 @@
-"""Mixture of experts: softmax top-k router, stacked SwiGLU experts, optional sigmoid-gated shared expert."""
+"""Mixture of experts: softmax top-k router, stacked SwiGLU experts, optional sigmoid-gated shared expert.
 
-import logging
-from typing import Callable
+The routed-expert computation itself is the kernel backend's `moe_experts` op.
+"""
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtext.kernels.backend import EXPERT_METHODS, KernelBackend, default_backend
 from maxtext.layers.initializers import draw_key, fan_in_uniform
 from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.mlp import MLP, get_activation
-
-logger = logging.getLogger(__name__)
-
-EXPERT_METHODS = ("dense", "gather")
 
 
 def route(router_logits: jax.Array, *, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -35,63 +32,6 @@ def route(router_logits: jax.Array, *, top_k: int, normalize: bool) -> tuple[jax
   if normalize:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   return weights, indices.astype(jnp.int32)
-
-
-def experts_dense(
-    x: jax.Array,
-    weights: jax.Array,
-    indices: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    *,
-    activation: Callable[[jax.Array], jax.Array],
-    dtype: jnp.dtype,
-) -> jax.Array:
-  """Every expert on every token, combined with a sparse `[T, E]` weight matrix (tiny sizes / reference).
-
-  Args:
-    x: `[T, D]` tokens.
-    weights: `[T, k]` routing weights.
-    indices: `[T, k]` expert ids.
-    w_gate: `[E, D, F]`.
-    w_up: `[E, D, F]`.
-    w_down: `[E, F, D]`.
-    activation: gate activation.
-    dtype: compute dtype.
-
-  Returns:
-    `[T, D]` in `dtype`.
-  """
-  x = x.astype(dtype)
-  combine = jnp.einsum("tk,tke->te", weights.astype(dtype), jax.nn.one_hot(indices, w_gate.shape[0], dtype=dtype))
-  h = activation(jnp.einsum("td,edf->tef", x, w_gate.astype(dtype))) * jnp.einsum("td,edf->tef", x, w_up.astype(dtype))
-  y = jnp.einsum("tef,efd->ted", h, w_down.astype(dtype))
-  return jnp.einsum("te,ted->td", combine, y)
-
-
-def experts_gather(
-    x: jax.Array,
-    weights: jax.Array,
-    indices: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    *,
-    activation: Callable[[jax.Array], jax.Array],
-    dtype: jnp.dtype,
-) -> jax.Array:
-  """Only the selected experts per token, by gathering their weights (`[T, k, D, F]` memory).
-
-  Same arguments and result as `experts_dense`.
-  """
-  x = x.astype(dtype)
-  g = w_gate.astype(dtype)[indices]  # [T, k, D, F]
-  u = w_up.astype(dtype)[indices]
-  d = w_down.astype(dtype)[indices]  # [T, k, F, D]
-  h = activation(jnp.einsum("td,tkdf->tkf", x, g)) * jnp.einsum("td,tkdf->tkf", x, u)
-  y = jnp.einsum("tkf,tkfd->tkd", h, d)
-  return jnp.einsum("tk,tkd->td", weights.astype(dtype), y)
 
 
 class MoE(nnx.Module):
@@ -140,13 +80,15 @@ class MoE(nnx.Module):
       self.shared = None
       self.shared_gate = None
 
-  def __call__(self, x: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
-    """`[..., D] -> [..., D]`."""
+  def __call__(  # pylint: disable=arguments-differ  # nnx call hook
+      self, x: jax.Array, backend: KernelBackend | None = None
+  ) -> jax.Array:
+    """`[..., D] -> [..., D]`; the routed experts run on `backend` (default: the reference backend)."""
+    backend = default_backend() if backend is None else backend
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
     weights, indices = route(self.router(flat), top_k=self.top_k, normalize=self.normalize_top_k)
-    fn = experts_dense if self.method == "dense" else experts_gather
-    y = fn(
+    y = backend.moe_experts(
         flat,
         weights,
         indices,
@@ -155,6 +97,7 @@ class MoE(nnx.Module):
         self.down[...],
         activation=get_activation(self.activation),
         dtype=self.dtype,
+        method=self.method,
     )
     if self.shared is not None:
       y = y + jax.nn.sigmoid(self.shared_gate(flat)) * self.shared(flat)

@@ -1,12 +1,8 @@
 """RMSNorm in both conventions: plain `w` (Llama, Qwen3, GDN) and zero-centred `1 + w` (Gemma3, Qwen3-Next/3.5)."""
 
-import logging
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, *, eps: float, zero_centered: bool) -> jax.Array:

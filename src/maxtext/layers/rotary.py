@@ -1,14 +1,11 @@
 """Rotary position embedding: half-split (`rotate_half`) layout, full or partial rotary dim, scaling variants."""
 
 import dataclasses
-import logging
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 ROPE_TYPES = ("default", "linear", "llama3")
 

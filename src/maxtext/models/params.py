@@ -1,10 +1,9 @@
 """Flat `{canonical name: array}` views of a model's parameters, for checkpoint loaders and tests.
 
-Canonical names are the model's `nnx.state(model, nnx.Param)` paths joined by "." (INTERFACES.md), e.g.
+Canonical names are the model's `nnx.state(model, nnx.Param)` paths joined by ".", e.g.
 `layers.3.attn.q.kernel`.
 """
 
-import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -15,8 +14,6 @@ import numpy as np
 from flax import nnx
 
 from maxtext.models.transformer import abstract_model
-
-logger = logging.getLogger(__name__)
 
 
 def _named_variables(model: nnx.Module) -> dict[str, nnx.Param]:

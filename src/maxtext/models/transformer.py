@@ -1,6 +1,5 @@
 """Hybrid decoder-only transformer built from `cfg.layer_types` (Llama, Qwen3, Gemma3, Qwen3-Next, Qwen3.5)."""
 
-import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -11,19 +10,19 @@ import ml_collections
 from flax import nnx
 
 from maxtext.kernels.attention_metadata import AttentionMetadata
+from maxtext.kernels.backend import KernelBackend, default_backend
 from maxtext.layers.embeddings import Embed
 from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.normalizations import RMSNorm
-from maxtext.models.decoder_layer import KV, DecoderLayer
-
-logger = logging.getLogger(__name__)
+from maxtext.layers.mixer import KV
+from maxtext.models.decoder_layer import DecoderLayer
 
 
 class Transformer(nnx.Module):
   """Decoder-only language model.
 
   Parameters: `embedder.embedding [V, D]`, `layers.{i}.*`, `final_norm.scale [D]` and, unless
-  `logits_via_embedding`, `lm_head.kernel [D, V]` (names in INTERFACES.md). Random init from `rngs`, parameters
+  `logits_via_embedding`, `lm_head.kernel [D, V]` (the table in docs/architecture.md). Random init from `rngs`, parameters
   in `cfg.weight_dtype`, compute in `cfg.dtype`.
   """
 
@@ -84,6 +83,7 @@ class Transformer(nnx.Module):
       positions: jax.Array,
       layer_caches: Sequence[Any],
       layer_metadata: Sequence[AttentionMetadata],
+      backend: KernelBackend | None = None,
   ) -> tuple[jax.Array, list[Any]]:
     """Runner path: every layer over a flat ragged batch with its own cache and metadata, then the final norm.
 
@@ -96,6 +96,7 @@ class Transformer(nnx.Module):
       positions: `[T]` positions (from the metadata).
       layer_caches: one cache per layer, in layer order (paged KV array or `(conv, recurrent)` pair).
       layer_metadata: one `AttentionMetadata` per layer, in layer order (its KV-cache group's).
+      backend: the kernel backend of every runner op (default: the reference backend).
 
     Returns:
       `[T, D]` final-normed hidden states and the caches after the step, in layer order.
@@ -111,10 +112,11 @@ class Transformer(nnx.Module):
       )
     if x.ndim != 2 or positions.shape != x.shape[:1]:
       raise ValueError(f"forward_paged expects x [T, D] and positions [T]; got {x.shape} and {positions.shape}")
+    backend = default_backend() if backend is None else backend
     new_caches: list[Any] = []
     for i, layer in enumerate(self.layers):
       cache = new_caches[layer.kv_source] if layer.kv_source >= 0 else layer_caches[i]
-      x, cache = layer.paged(x, positions, cache, layer_metadata[i])
+      x, cache = layer.paged(x, positions, cache, layer_metadata[i], backend)
       new_caches.append(cache)
     return self.final_norm(x), new_caches
 

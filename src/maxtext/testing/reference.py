@@ -1,10 +1,10 @@
 """Float64 NumPy reference of every layer and of the whole decoder, for tests.
 
-Written from the architecture notes (hf-architectures.md), independently of `maxtext.layers`: per-token loops,
-explicit masks, no chunking. Parameters come as a flat `{canonical name: array}` dict (INTERFACES.md).
+Written from the published architectures (docs/architecture.md lists the facts used), independently of
+`maxtext.layers`: per-token loops, explicit masks, no chunking. Parameters come as a flat `{canonical name: array}`
+dict (`maxtext.models.params` names).
 """
 
-import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-logger = logging.getLogger(__name__)
+# Layer kinds this reference implements (a new kind brings its own float64 reference into its tests).
+REFERENCE_LAYER_KINDS = ("full_attention", "sliding_attention", "linear_attention")
 
 Params = Mapping[str, Any]
 
@@ -237,6 +238,10 @@ def model_forward(cfg: Any, p: Params, tokens: np.ndarray) -> np.ndarray:
   scale = (cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar > 0 else dh) ** -0.5
   kvs = {}
   for i, kind in enumerate(cfg.layer_types):
+    if kind not in REFERENCE_LAYER_KINDS:
+      raise NotImplementedError(
+          f"layer {i} is {kind!r}: the float64 reference implements {', '.join(REFERENCE_LAYER_KINDS)} only"
+      )
     pre = f"layers.{i}."
     h = rms_norm(x, p[pre + "input_norm.scale"], eps, zc)
     if kind == "linear_attention":

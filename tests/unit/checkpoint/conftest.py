@@ -2,7 +2,7 @@
 
 `hf_checkpoint(case, **save_kwargs)` builds the model (float32, seeded), adds seeded noise to every 1-D parameter
 (norm weights, A_log, dt_bias, biases; transformers initialises (1+w) norm weights to exactly 0), saves it to a
-session-wide temp folder and returns (folder, torch model). Sizes follow /work/shared/hf-architectures.md. Needs
+session-wide temp folder and returns (folder, torch model). Sizes are those of the families' tiny configs. Needs
 torch and transformers (tests using it are marked `hf`).
 """
 

@@ -1,7 +1,7 @@
 """Fixtures of the reference-runner tests: tiny hybrid configs and fake KV-cache specs.
 
-The fake specs have the fields and methods of `maxtext.integration.vllm.kv_cache_spec` (INTERFACES.md), written
-here from the contract (runner cache shape `(N, bs, align(2*Hkv, pk)/pk, pk, align(head_dim, 128))`).
+The fake specs have the fields and methods the KV-cache manager reads of `maxtext.kernels.cache_spec`'s specs,
+written here independently from the runner's cache shape `(N, bs, align(2*Hkv, pk)/pk, pk, align(head_dim, 128))`.
 """
 
 import dataclasses
@@ -22,6 +22,7 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2}
 class FakeAttentionSpec:
   """Attention spec with the interface fields."""
 
+  cache_kind = "attention"
   layer_type: str
   block_size: int
   num_kv_heads: int
@@ -42,12 +43,19 @@ class FakeAttentionSpec:
 
 @dataclasses.dataclass(frozen=True)
 class FakeRecurrentSpec:
-  """Recurrent (GDN) spec with the interface fields."""
+  """Recurrent (GDN) spec with the interface fields: a (conv, recurrent) state per slot."""
 
+  cache_kind = "recurrent"
   conv_shape: tuple
   recurrent_shape: tuple
   conv_dtype: str
   recurrent_dtype: str = "float32"
+  layer_type: str = "linear_attention"
+
+  @property
+  def state_dtypes(self):
+    """dtype of each state array."""
+    return (self.conv_dtype, self.recurrent_dtype)
 
   def cache_shapes(self, num_slots):
     """(conv shape, recurrent shape) with `num_slots` rows."""

@@ -278,8 +278,10 @@ def test_construction_errors(configs, make_specs, spec_types):
     build({"layer.7": None})
   with pytest.raises(ValueError, match=r"missing \[\], unexpected \['layer.9'\]"):
     build({"layer.9": specs["layer.7"]})
-  with pytest.raises(ValueError, match="layer names must look like 'layer.<i>', got 'blk.0'"):
+  with pytest.raises(ValueError, match="a decoder layer name must be 'layer.<i>' .* got 'blk.0'"):
     build({"blk.0": specs["layer.7"]})
+  with pytest.raises(ValueError, match="a decoder layer name must be 'layer.<i>' .* got 'layer.03'"):
+    build({"layer.03": specs["layer.3"], "layer.3": None})
   with pytest.raises(ValueError, match="layer.7 has a spec and is also a KV-shared layer"):
     build(shared_layers={"layer.7": "layer.3"})
   with pytest.raises(ValueError, match="layer.3 has a recurrent spec but cfg.layer_types says full_attention"):
@@ -289,7 +291,7 @@ def test_construction_errors(configs, make_specs, spec_types):
     build({"layer.3": sliding})
   with pytest.raises(ValueError, match="KV-shared layer.7 reads layer.0, which must be an attention layer"):
     build({"layer.7": None}, shared_layers={"layer.7": "layer.0"})
-  with pytest.raises(TypeError, match="layer.0: the KV-cache spec must be an attention spec .* got str"):
+  with pytest.raises(TypeError, match="layer.0: a KV-cache spec must declare cache_kind .* got str"):
     build({"layer.0": "gdn"})
   assert isinstance(specs["layer.0"], recurrent_spec)
   with pytest.raises(ValueError, match="kv_cache_layout='diagonal': must be one of layer, hybrid, shuffled"):

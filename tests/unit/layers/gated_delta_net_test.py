@@ -139,7 +139,7 @@ def _ref_gdn(x, p):
 
 
 def _jit_call(layer, x, chunked):
-  return nnx.jit(lambda m, x: m(x, chunked=chunked))(layer, jnp.asarray(x))
+  return nnx.jit(lambda m, x: m(x, chunked=chunked)[0])(layer, jnp.asarray(x))
 
 
 def _make(chunk=8, seed=0, dtype=jnp.float32):

@@ -6,7 +6,8 @@ import pytest
 from flax import nnx
 
 from maxtext.layers.mlp import get_activation
-from maxtext.layers.moe import MoE, experts_dense, experts_gather, route
+from maxtext.kernels.experts import experts_dense, experts_gather
+from maxtext.layers.moe import MoE, route
 from maxtext.testing.reference import module_params
 
 

@@ -6,7 +6,9 @@ import pytest
 from flax import nnx
 
 from maxtext.configs import load_config
-from maxtext.models.decoder_layer import DecoderLayer, rope_spec
+from maxtext.layers.attention import Attention, rope_spec
+from maxtext.layers.gated_delta_net import GatedDeltaNet
+from maxtext.models.decoder_layer import DecoderLayer
 
 
 def _with(cfg, **changes):
@@ -31,21 +33,26 @@ def test_layer_kinds_select_submodules():
   cfg = load_config(model_name="qwen3-next-tiny")
   gdn_dense = DecoderLayer(cfg, 0, rngs=nnx.Rngs(0))
   attn_moe = DecoderLayer(cfg, 3, rngs=nnx.Rngs(0))
-  assert gdn_dense.attn is None and gdn_dense.gdn is not None and gdn_dense.moe is None and gdn_dense.mlp is not None
-  assert attn_moe.gdn is None and attn_moe.attn.gate is not None and attn_moe.mlp is None
+  # The mixer sits under its kind's parameter name (attn / gdn), the other name is absent.
+  assert isinstance(gdn_dense.mixer, GatedDeltaNet) and vars(gdn_dense)["gdn"] is gdn_dense.mixer
+  assert "attn" not in vars(gdn_dense) and gdn_dense.moe is None and gdn_dense.mlp is not None
+  assert (
+      isinstance(attn_moe.mixer, Attention) and vars(attn_moe)["attn"] is attn_moe.mixer and "gdn" not in vars(attn_moe)
+  )
+  assert attn_moe.mixer.gate is not None and attn_moe.mlp is None
   assert gdn_dense.post_attn_norm is None and gdn_dense.post_mlp_norm is None
   gemma = DecoderLayer(load_config(model_name="gemma3-tiny"), 0, rngs=nnx.Rngs(0))
-  assert gemma.attn.sliding_window == 8 and gemma.post_attn_norm is not None and gemma.post_mlp_norm is not None
-  assert DecoderLayer(load_config(model_name="gemma3-tiny"), 2, rngs=nnx.Rngs(0)).attn.sliding_window == 0
+  assert gemma.mixer.sliding_window == 8 and gemma.post_attn_norm is not None and gemma.post_mlp_norm is not None
+  assert DecoderLayer(load_config(model_name="gemma3-tiny"), 2, rngs=nnx.Rngs(0)).mixer.sliding_window == 0
 
 
 def test_layer_validation():
   cfg = load_config(model_name="qwen3-next-tiny")
   with pytest.raises(ValueError, match=r"layer_index must be in \[0, 8\), got 8"):
     DecoderLayer(cfg, 8, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"layer_types\[1\]='mamba' is not a supported layer type"):
+  with pytest.raises(ValueError, match=r"layer_types\[1\]='mamba' has no registered mixer \(registered: full_atten"):
     DecoderLayer(_with(cfg, layer_types=("full_attention", "mamba") + ("full_attention",) * 6), 1, rngs=nnx.Rngs(0))
   gdn = DecoderLayer(cfg, 0, rngs=nnx.Rngs(0))
   kv = (jnp.zeros((1, 2, 2, 32)), jnp.zeros((1, 2, 2, 32)))
-  with pytest.raises(ValueError, match="layer 0 is linear_attention and cannot take shared K/V"):
+  with pytest.raises(ValueError, match=r"a linear_attention \(Gated DeltaNet\) layer cannot take shared K/V"):
     gdn(jnp.zeros((1, 2, 64)), jnp.zeros((1, 2), jnp.int32), kv)

@@ -17,6 +17,7 @@ from flax import nnx
 from maxtext.configs import load_config
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.kernels.attention_metadata import AttentionMetadata
+from maxtext.kernels.backend import default_backend
 from maxtext.models import Transformer, assign_params, get_flat_params
 
 ATOL = 1e-4
@@ -69,7 +70,10 @@ class PagedHarness:
         conv, rec = spec.cache_shapes(MAX_REQS + 1)
         # Garbage in every slot: a request without earlier tokens must read zeros, not the slot's contents.
         caches.append(
-            (jnp.asarray(self.rng.normal(size=conv), spec.conv_dtype), jnp.asarray(self.rng.normal(size=rec), "float32"))
+            (
+                jnp.asarray(self.rng.normal(size=conv), spec.state_dtypes[0]),
+                jnp.asarray(self.rng.normal(size=rec), "float32"),
+            )
         )
     self.caches = caches
     # Each group hands out its own shuffled block ids (never block 0, the null block).
@@ -289,8 +293,8 @@ def test_kv_shared_layer_reads_the_cache_its_source_just_wrote():
   )
   x = jnp.asarray(np.random.default_rng(0).normal(size=(10, cfg.base_emb_dim)), jnp.float32)
   attn = model.layers[layer].attn
-  fresh, _ = attn.paged(x, jnp.arange(10), h.caches[source], md)
-  stale, _ = attn.paged(x, jnp.arange(10), before[source], md)
+  fresh, _ = attn.paged(x, jnp.arange(10), h.caches[source], md, default_backend())
+  stale, _ = attn.paged(x, jnp.arange(10), before[source], md, default_backend())
   assert float(jnp.max(jnp.abs(fresh - stale))) > 1e-3
 
 

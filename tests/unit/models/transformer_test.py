@@ -53,7 +53,7 @@ def _family(request):
 
 
 def expected_param_shapes(cfg):
-  """Canonical names and shapes from the INTERFACES.md table, for the layer kinds of `cfg`."""
+  """Canonical names and shapes of the parameter table in docs/architecture.md, for the layer kinds of `cfg`."""
   d, v, hq, hkv, dh = cfg.base_emb_dim, cfg.vocab_size, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
   nk, nv, hk, hv = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads, cfg.gdn_key_head_dim, cfg.gdn_value_head_dim
   c = 2 * nk * hk + nv * hv

@@ -6,14 +6,14 @@ donated and the map static,
     __call__(kv_caches, input_ids, attention_metadata, inputs_embeds, input_positions,
              layer_name_to_kvcache_index, lora_metadata, intermediate_tensors, is_first_rank, is_last_rank)
 
-returning `(kv_caches, hidden [T, D], aux_hidden_states, expert_indices)` (contract.md section 1). The physical
-`kv_caches` list is in the runner's order; the map says which slot each `layer.<i>` uses. Resolution, gathering and
-scattering are plain Python over traced values (`hybrid_cache_utils`), so the remap adds no XLA operation.
+returning `(kv_caches, hidden [T, D], aux_hidden_states, expert_indices)` (docs/runner-contract.md). The
+physical `kv_caches` list is in the runner's order; the map says which slot each `layer.<i>` uses. Resolution,
+gathering and scattering are plain Python over traced values (`hybrid_cache_utils`), so the remap adds no XLA
+operation. Every runner op goes through the kernel backend that `kernel_backend` names, built with the mesh.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,9 +25,8 @@ from flax import nnx
 from maxtext.checkpoint import load_model, load_run_config
 from maxtext.integration.vllm import hybrid_cache_utils, kv_cache_spec, kv_cache_spec_data
 from maxtext.kernels.attention_metadata import AttentionMetadata, metadata_for_layer, normalize_positions
-from maxtext.models import Transformer, abstract_model
-
-logger = logging.getLogger(__name__)
+from maxtext.kernels.backend import get_backend
+from maxtext.models import Transformer, abstract_model, sharding
 
 MAXTEXT_CONFIG_KEY = "maxtext_config"
 DUMMY_LOAD_FORMAT = "dummy"
@@ -45,18 +44,24 @@ def _attr(obj: Any, path: str, default: Any = None) -> Any:
 def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDict:
   """Builds this package's config from a vLLM config, read by attribute only.
 
-  `additional_config["maxtext_config"]` holds config overrides (`model_name`, `hf_model_path`, ...). The cache
-  block size and dtype come from `cache_config` unless overridden; `load_format == "dummy"` means random weights,
-  so `load_parameters_path` and `hf_model_path` are cleared.
+  `additional_config["maxtext_config"]` holds config overrides (`model_name`, `hf_model_path`, ...), as a real
+  `VllmConfig` carries them (`--additional-config`). The cache block size and dtype come from `cache_config`
+  unless overridden; `load_format == "dummy"` means random weights, so `load_parameters_path` and
+  `hf_model_path` are cleared. It may instead hold an already-built config (what this package's reference runner
+  passes), which is used as it is, after checking that it agrees with `cache_config` and `load_config`.
 
   Raises:
     TypeError: `additional_config` or its `maxtext_config` entry is not a mapping.
     ConfigError: the overrides do not form a valid config.
+    ValueError: a built config disagrees with `cache_config.block_size` or asks for a checkpoint under
+      `load_format="dummy"`.
   """
   additional = _attr(vllm_config, "additional_config") or {}
   if not isinstance(additional, Mapping):
     raise TypeError(f"vllm_config.additional_config must be a mapping, got {type(additional).__name__}")
   overrides = additional.get(MAXTEXT_CONFIG_KEY) or {}
+  if isinstance(overrides, ml_collections.FrozenConfigDict):
+    return _checked_built_config(overrides, vllm_config)
   if not isinstance(overrides, Mapping):
     raise TypeError(
         f"vllm_config.additional_config[{MAXTEXT_CONFIG_KEY!r}] must be a mapping of config keys, "
@@ -75,6 +80,24 @@ def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDic
   return load_run_config(**overrides)
 
 
+def _checked_built_config(cfg: ml_collections.FrozenConfigDict, vllm_config: Any) -> ml_collections.FrozenConfigDict:
+  block_size = _attr(vllm_config, "cache_config.block_size")
+  if block_size is not None and int(block_size) != cfg.block_size:
+    raise ValueError(
+        f"vllm_config.cache_config.block_size={block_size} disagrees with the built config's block_size="
+        f"{cfg.block_size} in additional_config[{MAXTEXT_CONFIG_KEY!r}]"
+    )
+  if _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT and (
+      cfg.load_parameters_path or cfg.hf_model_path
+  ):
+    raise ValueError(
+        "load_format is 'dummy' (random weights) but the built config in"
+        f" additional_config[{MAXTEXT_CONFIG_KEY!r}] names a checkpoint (load_parameters_path="
+        f"{cfg.load_parameters_path!r}, hf_model_path={cfg.hf_model_path!r})"
+    )
+  return cfg
+
+
 class MaxTextForCausalLM(nnx.Module):
   """The runner-facing model: resolves the cache map, runs the paged decoder, returns the runner's 4-tuple."""
 
@@ -82,6 +105,7 @@ class MaxTextForCausalLM(nnx.Module):
     self.vllm_config = vllm_config
     self.mesh = mesh
     self.cfg = maxtext_config_from_vllm(vllm_config)
+    self.backend = get_backend(self.cfg.kernel_backend, mesh)
     self.num_layers = self.cfg.base_num_decoder_layers
     self.is_dummy = _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT
     if self.is_dummy:
@@ -90,24 +114,63 @@ class MaxTextForCausalLM(nnx.Module):
     else:
       self.model = abstract_model(self.cfg)
 
+  @property
+  def is_sharded(self) -> bool:
+    """Whether the model runs on a mesh of more than one device."""
+    return self.mesh is not None and self.mesh.size > 1
+
   def load_weights(self, rng_key: jax.Array) -> None:
     """Creates the parameters: random from `rng_key` (dummy), else from `load_parameters_path` or `hf_model_path`.
+
+    On a mesh of several devices random parameters are created directly in their shardings, and loaded ones are
+    placed there one parameter at a time (`maxtext.models.sharding`).
 
     Raises:
       ValueError: real weights were asked for but neither checkpoint source is configured.
     """
     cfg = self.cfg
     if self.is_dummy:
-      self.model = Transformer(cfg, rngs=nnx.Rngs(params=rng_key))
+      if self.is_sharded:
+        self.model = sharding.create_sharded_model(cfg, self.mesh, rng_key)
+      else:
+        self.model = Transformer(cfg, rngs=nnx.Rngs(params=rng_key))
       return
     if not (cfg.load_parameters_path or cfg.hf_model_path):
       raise ValueError(
           "load_format is not 'dummy' but neither load_parameters_path (Orbax) nor hf_model_path is set in"
           " additional_config['maxtext_config']"
       )
-    self.model = load_model(cfg)
+    model = load_model(cfg)
+    self.model = sharding.shard_model(model, cfg, self.mesh) if self.is_sharded else model
 
-  # The runner's positional contract fixes this signature (keywords with defaults, then *args): see contract.md.
+  def kv_cache_shardings(self, kv_caches: list[Any]) -> list[Any]:
+    """The runner's sharding of every physical cache (a tuple per recurrent slot), or None without a mesh.
+
+    The owner of each slot is any layer whose spec matches the cache's kind; all slots of one kind are laid out
+    alike, so the spec of the first layer of that kind gives the sharding.
+    """
+    if not self.is_sharded:
+      return [None] * len(kv_caches)
+    specs = [kv_cache_spec.get_layer_spec(self.cfg, i) for i in range(self.num_layers)]
+    attention = next((s for s in specs if s.cache_kind == "attention"), None)
+    recurrent = next((s for s in specs if s.cache_kind == "recurrent"), None)
+    out = []
+    for slot, cache in enumerate(kv_caches):
+      where = f"kv_caches[{slot}]"
+      if isinstance(cache, (tuple, list)):
+        out.append(tuple(sharding.cache_sharding(recurrent, c.shape, self.mesh, where) for c in cache))
+      else:
+        out.append(sharding.cache_sharding(attention, cache.shape, self.mesh, where))
+    return out
+
+  def shard_kv_caches(self, kv_caches: list[Any]) -> list[Any]:
+    """Places freshly allocated caches in the runner's shardings (unchanged without a mesh)."""
+    if not self.is_sharded:
+      return list(kv_caches)
+    return jax.tree_util.tree_map(jax.device_put, list(kv_caches), self.kv_cache_shardings(kv_caches))
+
+  # The runner's positional contract fixes this signature (keywords with defaults, then *args): see
+  # docs/runner-contract.md.
   def __call__(  # pylint: disable=arguments-differ,keyword-arg-before-vararg
       self,
       kv_caches: list[Any],
@@ -169,8 +232,13 @@ class MaxTextForCausalLM(nnx.Module):
       x = jnp.asarray(inputs_embeds, self.model.dtype)
     if positions is not None and positions.shape[0] != x.shape[0]:
       raise ValueError(f"positions cover {positions.shape[0]} tokens but the batch has {x.shape[0]} tokens")
-    hidden, new_layer_caches = self.model.forward_paged(x, positions, layer_caches, layer_metadata)
+    hidden, new_layer_caches = self.model.forward_paged(x, positions, layer_caches, layer_metadata, self.backend)
     new_kv_caches = hybrid_cache_utils.scatter_layer_kv_caches(kv_caches, new_layer_caches, layer_indices)
+    if self.is_sharded:
+      # Every cache leaves the step in the runner's sharding, the one it came in with.
+      new_kv_caches = jax.tree_util.tree_map(
+          jax.lax.with_sharding_constraint, new_kv_caches, self.kv_cache_shardings(new_kv_caches)
+      )
     return new_kv_caches, hidden.reshape(-1, hidden.shape[-1]), [], None
 
   def compute_logits(self, hidden_states: jax.Array) -> jax.Array:

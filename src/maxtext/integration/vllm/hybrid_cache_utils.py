@@ -31,6 +31,21 @@ def layer_name(index: int) -> str:
   return f"layer.{index}"
 
 
+def parse_layer_name(name: Any, where: str = "layer name") -> int:
+  """The layer number of a canonical decoder-layer name `layer.<i>` (no sign, spaces or leading zeros).
+
+  Raises:
+    ValueError: `name` is not such a name (a draft layer's name included); the message starts with `where`.
+  """
+  match = _LAYER_NAME_RE.fullmatch(name) if isinstance(name, str) else None
+  if match is None or match.group(1) == _DRAFT_PREFIX:
+    raise ValueError(
+        f"{where}: a decoder layer name must be 'layer.<i>' with <i> a decimal integer without sign, spaces or"
+        f" leading zeros, got {name!r}"
+    )
+  return int(match.group(2))
+
+
 def _is_int(value: Any) -> bool:
   """True for Python and NumPy integers; False for bool (a flag, never a slot or a count), floats and arrays."""
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -23,6 +23,7 @@ from typing import Any
 
 import ml_collections
 
+from maxtext.configs.layer_kinds import LINEAR_ATTENTION
 from maxtext.integration.vllm import kv_cache_spec
 
 FULL_ATTENTION_KIND = "full_attention"
@@ -31,13 +32,22 @@ MAMBA_KIND = "mamba"
 GDN_MAMBA_TYPE = "GDN_ATTN"
 
 
-def _layer_data(cfg: ml_collections.FrozenConfigDict, spec: kv_cache_spec.KVCacheSpec) -> dict[str, Any]:
+# vLLM's mamba backend (its MambaAttentionBackendEnum member name) for each recurrent layer kind.
+MAMBA_TYPES = {LINEAR_ATTENTION: GDN_MAMBA_TYPE}
+
+
+def _layer_data(cfg: ml_collections.FrozenConfigDict, name: str, spec: kv_cache_spec.KVCacheSpec) -> dict[str, Any]:
   if isinstance(spec, kv_cache_spec.RecurrentSpec):
+    if spec.layer_type not in MAMBA_TYPES:
+      raise NotImplementedError(
+          f"{name} is a {spec.layer_type} layer, which has no vLLM mamba backend to state it with (known:"
+          f" {', '.join(sorted(MAMBA_TYPES))})"
+      )
     return {
         "kind": MAMBA_KIND,
-        "mamba_type": GDN_MAMBA_TYPE,
-        "shapes": (tuple(spec.conv_shape), tuple(spec.recurrent_shape)),
-        "dtypes": (spec.conv_dtype, spec.recurrent_dtype),
+        "mamba_type": MAMBA_TYPES[spec.layer_type],
+        "shapes": tuple(tuple(shape) for shape in spec.state_shapes),
+        "dtypes": tuple(spec.state_dtypes),
     }
   return {
       "kind": FULL_ATTENTION_KIND if spec.sliding_window is None else SLIDING_WINDOW_KIND,
@@ -54,9 +64,12 @@ def kv_cache_spec_data(cfg: ml_collections.FrozenConfigDict) -> dict[str, dict[s
   Returns:
     `{"layers": {"layer.<i>": {...}}, "shared_kv_cache_layers": {"layer.<i>": "layer.<source>"}}`, layers in
     layer order.
+
+  Raises:
+    NotImplementedError: a recurrent layer kind with no vLLM mamba backend known here.
   """
   specs = kv_cache_spec.get_kv_cache_specs(cfg)
   return {
-      "layers": {name: _layer_data(cfg, spec) for name, spec in specs.items()},
+      "layers": {name: _layer_data(cfg, name, spec) for name, spec in specs.items()},
       "shared_kv_cache_layers": dict(kv_cache_spec.get_shared_kv_cache_layers(cfg)),
   }

@@ -35,7 +35,7 @@ def _hybrid_layout(cfg):
     spec = kv_cache_spec.get_layer_spec(cfg, layer)
     if isinstance(spec, kv_cache_spec.RecurrentSpec):
       conv, rec = spec.cache_shapes(MAX_REQS + 1)
-      caches.append((jnp.zeros(conv, spec.conv_dtype), jnp.zeros(rec, "float32")))
+      caches.append((jnp.zeros(conv, spec.state_dtypes[0]), jnp.zeros(rec, "float32")))
     else:
       caches.append(jnp.zeros(spec.cache_shape(NUM_BLOCKS), spec.dtype))
     pairs.append((f"layer.{layer}", slot))

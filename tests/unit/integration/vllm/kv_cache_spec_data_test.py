@@ -9,7 +9,9 @@ import pytest
 from maxtext.configs import load_config
 from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
+from maxtext.integration.vllm import kv_cache_spec_data as spec_data_lib
 from maxtext.integration.vllm.kv_cache_spec_data import kv_cache_spec_data
+from maxtext.kernels.cache_spec import RecurrentSpec
 
 
 def _attention(kind, heads=2, head_size=32, window=None, dtype="bfloat16"):
@@ -62,3 +64,10 @@ def test_the_model_class_exposes_its_spec_data():
   model = MaxTextForCausalLM(vllm_config_from_maxtext(cfg), jax.random.key(0), None)
   assert model.get_kv_cache_spec_data() == kv_cache_spec_data(cfg)
   assert model.get_kv_cache_spec_data()["layers"]["layer.0"]["kind"] == "mamba"
+
+
+def test_a_recurrent_kind_without_a_vllm_mamba_backend_is_refused():
+  spec = RecurrentSpec(layer_type="mamba2", state_names=("ssm",), state_shapes=((4, 8),), state_dtypes=("float32",))
+  cfg = load_config(model_name="qwen3.5-tiny")
+  with pytest.raises(NotImplementedError, match="layer.2 is a mamba2 layer, which has no vLLM mamba backend"):
+    spec_data_lib._layer_data(cfg, "layer.2", spec)  # pylint: disable=protected-access

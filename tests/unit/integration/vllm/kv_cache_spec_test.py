@@ -23,21 +23,22 @@ def _qwen_next(**kw):
 
 
 def test_qwen_gdn_spec_matches_the_upstream_layout_figures():
-  # contract.md section 6: (Hv=32, Hk=16, dk=dv=128, K=4) -> ((3, 8192), (32, 128, 128)), (bf16, fp32), 2,146,304 B.
+  # The upstream adapter's own figure: (Hv=32, Hk=16, dk=dv=128, K=4) -> ((3, 8192), (32, 128, 128)),
+  # (bf16, fp32), 2,146,304 bytes.
   cfg = _qwen_next(
       gdn_num_key_heads=16, gdn_num_value_heads=32, gdn_key_head_dim=128, gdn_value_head_dim=128, dtype="bfloat16"
   )
   spec = kvs.get_kv_cache_specs(cfg)["layer.0"]
   assert isinstance(spec, kvs.RecurrentSpec)
-  assert spec.conv_shape == (3, 8192) and spec.recurrent_shape == (32, 128, 128)
-  assert (spec.conv_dtype, spec.recurrent_dtype) == ("bfloat16", "float32")
+  assert spec.state_shapes == ((3, 8192), (32, 128, 128)) and spec.state_names == ("conv", "recurrent")
+  assert spec.state_dtypes == ("bfloat16", "float32")
   assert spec.slot_size_bytes() == 2_146_304
   assert spec.cache_shapes(5) == ((5, 3, 8192), (5, 32, 128, 128))
   assert spec.kind == "linear_attention" and "recurrent (32, 128, 128) float32" in spec.describe()
 
 
 def test_attention_spec_shape_follows_the_runner_layout():
-  # contract.md section 2: 8 KV heads, d=128, bf16 -> (N, bs, 8, 2, 128).
+  # The runner's layout: 8 KV heads, d=128, bf16 -> (N, bs, 8, 2, 128).
   cfg = load_config(base_num_kv_heads=8, base_num_query_heads=8, head_dim=128, dtype="bfloat16", block_size=32)
   spec = kvs.get_kv_cache_specs(cfg)["layer.0"]
   assert spec.cache_shape(10) == (10, 32, 8, 2, 128)
@@ -82,8 +83,7 @@ def _caches(cfg, num_blocks=4, num_slots=3):
     if isinstance(spec, kvs.AttentionSpec):
       out.append(jnp.zeros(spec.cache_shape(num_blocks), spec.dtype))
     else:
-      conv, rec = spec.cache_shapes(num_slots)
-      out.append((jnp.zeros(conv, spec.conv_dtype), jnp.zeros(rec, spec.recurrent_dtype)))
+      out.append(tuple(jnp.zeros(s, d) for s, d in zip(spec.cache_shapes(num_slots), spec.state_dtypes)))
   return out
 
 
@@ -99,7 +99,7 @@ def test_attention_layer_given_a_recurrent_state_names_layer_kind_and_slot():
   with pytest.raises(
       ValueError,
       match=r"layer.3 is a full_attention layer and needs a paged KV cache \(num_blocks,\) \+ \(16, 4, 1, 128\)"
-      r" float32, but kv_caches\[0\] holds a recurrent state \(conv \(3, 3, 160\) float32, recurrent"
+      r" float32, but kv_caches\[0\] holds a recurrent state \(\(3, 3, 160\) float32,"
       r" \(3, 4, 16, 24\) float32\)",
   ):
     kvs.validate_layer_caches(cfg, caches, layer_indices=(0, 1, 2, 0, 4, 5, 6, 7))
@@ -123,9 +123,10 @@ def test_recurrent_layer_given_an_attention_cache():
         (3, lambda c: c.astype(jnp.bfloat16), r"layer.3 is a full_attention layer whose cache must be float32"),
         (3, lambda c: c[:, :8], r"needs a paged KV cache .* holds an array \(4, 8, 4, 1, 128\)"),
         (3, lambda c: c[0], r"holds an array \(16, 4, 1, 128\) float32"),
-        (0, lambda c: (c[0].astype(jnp.bfloat16), c[1]), r"conv state must be float32 and recurrent state float32"),
-        (0, lambda c: (c[0], c[1].astype(jnp.bfloat16)), r"conv state must be float32 and recurrent state float32"),
-        (0, lambda c: (c[0],), r"holds a tuple of 1 \(an array \(3, 3, 160\) float32\)"),
+        (0, lambda c: (c[0].astype(jnp.bfloat16), c[1]), r"state arrays must be float32, float32 \(conv, recurrent\)"),
+        (0, lambda c: (c[0], c[1].astype(jnp.bfloat16)), r"state arrays must be float32, float32 \(conv, recurrent\)"),
+        (0, lambda c: (c[0],), r"holds a recurrent state \(\(3, 3, 160\) float32\)"),
+        (0, lambda c: (c[0], "x"), r"holds a tuple of 2 \(an array \(3, 3, 160\) float32, a str\)"),
         (0, lambda c: (c[0], c[1][:2]), r"needs a recurrent state"),
         (0, lambda c: "nothing", r"holds a str"),
     ],

@@ -1,0 +1,43 @@
+"""Tensor- and expert-parallel decodes on the fake 8-device CPU mesh give the single-device greedy tokens."""
+
+import jax
+import pytest
+
+from maxtext.configs import ConfigError
+from maxtext.inference import LLM, SamplingParams
+
+PROMPTS = [[5, 9, 33, 71, 12, 8, 90, 14, 3, 60, 61], [44, 3, 101]]
+RUN = {"max_num_seqs": 2, "num_kv_blocks": 48, "block_size": 8, "max_num_batched_tokens": 16, "max_target_length": 64}
+MESHES = {
+    "llama-tiny": [{"ici_tensor_parallelism": 2}, {"ici_tensor_parallelism": 4}],
+    "qwen3-tiny": [{"ici_tensor_parallelism": 2}, {"ici_tensor_parallelism": 4}],
+    "gemma3-tiny": [{"ici_tensor_parallelism": 2}, {"ici_tensor_parallelism": 4}],
+    "kvshare-tiny": [{"ici_tensor_parallelism": 2}],
+    "qwen3-next-tiny": [{"ici_tensor_parallelism": 2}, {"ici_tensor_parallelism": 2, "ici_expert_parallelism": 2}],
+    "qwen3.5-tiny": [{"ici_tensor_parallelism": 2}, {"ici_tensor_parallelism": 4}],
+}
+
+
+def _tokens(name, **mesh):
+  llm = LLM(model_name=name, **RUN, **mesh)
+  outs = llm.generate(PROMPTS, SamplingParams(max_tokens=5))
+  assert llm.engine.all_free()
+  return [list(o.outputs[0].token_ids) for o in outs], llm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_parallel_decodes_match_the_single_device_tokens(name):
+  single, _ = _tokens(name)
+  for mesh in MESHES[name]:
+    tokens, llm = _tokens(name, **mesh)
+    assert tokens == single, mesh
+    assert llm.engine.mesh.size == jax.numpy.prod(jax.numpy.asarray(list(mesh.values())))
+    assert llm.engine.model.is_sharded
+
+
+def test_a_mesh_that_does_not_divide_the_heads_names_the_key():
+  with pytest.raises(ConfigError, match=r"ici_tensor_parallelism=3: base_num_kv_heads=2 cannot be sharded"):
+    LLM(model_name="qwen3-tiny", ici_tensor_parallelism=3)
+  with pytest.raises(ConfigError, match=r"ici_tensor_parallelism=8: the runner replicates base_num_kv_heads=2 to 8"):
+    LLM(model_name="qwen3-tiny", ici_tensor_parallelism=8)

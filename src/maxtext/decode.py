@@ -24,11 +24,20 @@ from maxtext.inference.engine import make_kv_cache_manager
 from maxtext.inference.llm import LLM, RequestOutput
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import RequestNeverFitsError
+from maxtext.integration.vllm.environment import PluginEnvironmentError
 
 USAGE = "usage: maxtext-decode [configs/base.yml] key=value ...  (see configs/base.yml for every key)"
 # Errors that mean "the input is wrong", reported as one line with exit status 2. Anything else is a bug: traceback.
 # RequestNeverFitsError: the configured cache pools (num_kv_blocks, block_size) are too small for the request.
-USER_ERRORS = (ValueError, TypeError, NotImplementedError, FileNotFoundError, KeyError, RequestNeverFitsError)
+USER_ERRORS = (
+    ValueError,
+    TypeError,
+    NotImplementedError,
+    FileNotFoundError,
+    KeyError,
+    RequestNeverFitsError,
+    PluginEnvironmentError,  # e.g. kernel_backend=tpu_inference without tpu-inference installed
+)
 
 
 def sampling_params_from_config(cfg: ml_collections.FrozenConfigDict) -> SamplingParams:

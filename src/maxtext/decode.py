@@ -37,6 +37,7 @@ from maxtext.inference.prompts_file import FilePrompt, read_prompts_file
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import RequestNeverFitsError
 from maxtext.inference.streaming import TextStreamer
+from maxtext.integration.vllm.environment import PluginEnvironmentError
 
 USAGE = "usage: maxtext-decode [configs/base.yml] key=value ...  (see configs/base.yml for every key)"
 # Errors that mean "the input is wrong", reported as one line with exit status 2. Anything else is a bug: traceback.
@@ -51,6 +52,7 @@ USER_ERRORS = (
     KeyError,
     RequestNeverFitsError,
     MissingDependencyError,
+    PluginEnvironmentError,  # e.g. kernel_backend=tpu_inference without tpu-inference installed
 )
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 1  # the reader of stdout went away (`maxtext-decode --help | head -1`)

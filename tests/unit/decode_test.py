@@ -144,6 +144,7 @@ def test_help_prints_the_usage_and_exits_0(capsys, flag):
         ([BASE, "max_target_length=4"], r"the prompt has 10 tokens but must be shorter than max_target_length=4"),
         ([BASE, "prompt="], r"prompt is empty: set prompt=\.\.\. or prompt_token_ids=\[\.\.\.\]"),
         ([BASE, "max_new_tokens=0"], r"max_new_tokens=0: must be > 0"),
+        ([BASE, "kernel_backend=tpu_inference"], r"kernel_backend=tpu_inference needs the tpu-inference package"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, args, message):

@@ -61,6 +61,7 @@ def test_rules_map_logical_axes_and_check_divisibility():
 
 
 def mesh_of(tp, ep=1):
+  """A (data 1, model tp, expert ep) mesh."""
   return sharding.make_mesh(load_config(ici_tensor_parallelism=tp, ici_expert_parallelism=ep))
 
 

@@ -23,7 +23,7 @@ import ml_collections
 from flax import nnx
 
 from maxtext.checkpoint import load_model, load_run_config
-from maxtext.integration.vllm import hybrid_cache_utils, kv_cache_spec
+from maxtext.integration.vllm import hybrid_cache_utils, kv_cache_spec, kv_cache_spec_data
 from maxtext.kernels.attention_metadata import AttentionMetadata, metadata_for_layer, normalize_positions
 from maxtext.kernels.backend import get_backend
 from maxtext.models import Transformer, abstract_model, sharding
@@ -251,6 +251,14 @@ class MaxTextForCausalLM(nnx.Module):
   def embed_input_ids(self, input_ids: jax.Array) -> jax.Array:
     """Token embeddings `[T, D]` of `input_ids` `[T]`."""
     return self.model.embed(input_ids)
+
+  def get_kv_cache_spec_data(self) -> dict[str, dict[str, Any]]:
+    """The cache each layer needs, as plain data for a runner that asks (docs/tpu-inference-kv-cache-spec.patch).
+
+    See `kv_cache_spec_data.kv_cache_spec_data` for the format: attention layers with their window, Gated DeltaNet
+    layers as mamba states with shapes and dtypes, and the KV-sharing layers' targets.
+    """
+    return kv_cache_spec_data.kv_cache_spec_data(self.cfg)
 
   def get_input_embeddings(self) -> jax.Array:
     """The token embedding table `[V, D]`."""

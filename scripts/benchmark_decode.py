@@ -108,6 +108,7 @@ QUICK_OVERRIDES: dict[str, dict[str, Any]] = {
     ),
 }
 _EXPERT_MARK = ".mlp.experts."
+RESULT_MARK = "benchmark_decode result: "  # frameworks print to stdout too; the result line carries this prefix
 _EMBED_MARK = "embed_tokens"
 
 
@@ -152,8 +153,8 @@ def active_weight_bytes(tensor_bytes: dict[str, int], hf_config: dict[str, Any],
 
 
 # ----------------------------------------------------------------------------------------------- worker processes
-# Each worker prints one JSON object on its last stdout line. They import their frameworks lazily: the vLLM worker
-# runs in another interpreter that has neither JAX nor this package.
+# Each worker prints one JSON object on a stdout line that starts with RESULT_MARK. They import their frameworks
+# lazily: the vLLM worker runs in another interpreter that has neither JAX nor this package.
 # pylint: disable=import-outside-toplevel  # each worker imports only its own framework (and may lack the others)
 
 
@@ -338,7 +339,7 @@ def _worker_main(argv: Sequence[str]) -> int:
     result = measure_bandwidth(args.quick)
   else:
     result = _WORKERS[args.role](args.folder, args.batches, args.prompt_len, args.new_tokens, args.repeats)
-  print(json.dumps(result))
+  print(RESULT_MARK + json.dumps(result), flush=True)
   return 0
 
 
@@ -361,11 +362,11 @@ def run_worker(python: str, role: str, args: Sequence[str], timeout: float) -> d
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
   except subprocess.TimeoutExpired:
     return {"error": f"timed out after {timeout:.0f} s"}
-  lines = proc.stdout.strip().splitlines()
+  lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
   if proc.returncode != 0 or not lines:
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
     return {"error": f"exit status {proc.returncode}: {tail}"}
-  return json.loads(lines[-1])
+  return json.loads(lines[-1][len(RESULT_MARK) :])
 
 
 def vllm_available(python: str) -> tuple[bool, str]:

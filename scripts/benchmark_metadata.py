@@ -36,16 +36,25 @@ from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttenti
 from maxtext.testing import hlo
 
 MODES = ("grouped", "per_layer")
-_META, _CONST, _OTHER = 0, 1, 2
+CONST, META, OTHER = 0, 1, 2  # ordered: a result takes the largest kind of its inputs
 
 
 def _kind(var: Any, kinds: dict[Any, int]) -> int:
   if isinstance(var, jex.core.Literal):
-    return _CONST
-  return kinds.get(var, _OTHER)
+    return CONST
+  return kinds.get(var, OTHER)
 
 
-def count_metadata_equations(jaxpr: Any, input_kinds: Sequence[int], const_kind: int = _CONST) -> tuple[int, list]:
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+  subs = []
+  for value in eqn.params.values():
+    for sub in value if isinstance(value, tuple) else (value,):
+      if isinstance(sub, (jex.core.ClosedJaxpr, jex.core.Jaxpr)):
+        subs.append(sub)
+  return subs
+
+
+def count_metadata_equations(jaxpr: Any, input_kinds: Sequence[int], const_kind: int = CONST) -> tuple[int, list]:
   """Counts the equations whose result depends on metadata inputs and constants only.
 
   Nested jit / call bodies are followed with their inputs' kinds; any other nested jaxpr (scan, while, cond)
@@ -53,7 +62,7 @@ def count_metadata_equations(jaxpr: Any, input_kinds: Sequence[int], const_kind:
 
   Args:
     jaxpr: a ClosedJaxpr or Jaxpr.
-    input_kinds: per invar, `_META` (metadata), `_CONST` or `_OTHER`.
+    input_kinds: per invar, `META` (metadata), `CONST` or `OTHER`.
     const_kind: the kind of the jaxpr's constvars.
 
   Returns:
@@ -71,10 +80,10 @@ def count_metadata_equations(jaxpr: Any, input_kinds: Sequence[int], const_kind:
       sub_count, out_kinds = count_metadata_equations(inner, in_kinds)
       count += sub_count
     else:
-      kind = max(in_kinds, default=_CONST)
+      kind = max(in_kinds, default=CONST)
       out_kinds = [kind] * len(eqn.outvars)
-      if kind == _META:
-        count += hlo.count_jaxpr_equations(jex.core.Jaxpr((), (), (), [eqn]))
+      if kind == META:
+        count += 1 + sum(hlo.count_jaxpr_equations(sub) for sub in _sub_jaxprs(eqn))
     kinds.update(zip(eqn.outvars, out_kinds))
   return count, [_kind(v, kinds) for v in jaxpr.outvars]
 
@@ -129,7 +138,7 @@ def measure(engine: LLMEngine, batch: Any, mode: str, repeats: int) -> dict[str,
   closed = jax.make_jaxpr(step, static_argnums=5)(*args, engine.layer_map)
   input_kinds = []
   for index, arg in enumerate(args):
-    input_kinds += [_META if index >= 3 else _OTHER] * len(jax.tree_util.tree_leaves(arg))
+    input_kinds += [META if index >= 3 else OTHER] * len(jax.tree_util.tree_leaves(arg))
   metadata_eqns, _ = count_metadata_equations(closed, input_kinds)
   jax.clear_caches()  # both forms must compile from scratch
   start = time.perf_counter()

@@ -44,9 +44,9 @@ def test_metadata_equations_are_those_fed_by_metadata_and_constants_only():
     return jnp.sum(derived) * x, jnp.sin(x)  # sum is metadata only; the product and sin are not
 
   closed = jax.make_jaxpr(f)(jnp.ones(4, jnp.int32), jnp.float32(2.0))
-  count, out_kinds = benchmark.count_metadata_equations(closed, [benchmark._META, benchmark._OTHER])
+  count, out_kinds = benchmark.count_metadata_equations(closed, [benchmark.META, benchmark.OTHER])
   assert count == 4  # add, the jitted mul, reduce_sum, convert_element_type
-  assert out_kinds == [benchmark._OTHER, benchmark._OTHER]
+  assert out_kinds == [benchmark.OTHER, benchmark.OTHER]
 
 
 def test_benchmark_rejects_layers_that_are_not_a_multiple_of_six():

@@ -11,7 +11,7 @@ Qwen3.5 pattern (three Gated DeltaNet layers, then one full-attention layer). La
 Timings are measurements only (CPU, 2 cores here); nothing is asserted.
 
 Usage: python scripts/benchmark_remap.py [--layers 8 48] [--layouts direct identity hybrid shuffled]
-                                         [--repeats 20] [--seed 0] [--json]
+                                         [--repeats 20] [--seed 0] [--quick] [--json]
 """
 
 import argparse
@@ -143,12 +143,15 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--layers", type=_positive_int, nargs="+", default=[8, 48], help="decoder layer counts")
+  parser.add_argument("--layers", type=_positive_int, nargs="+", default=None, help="decoder layer counts (8 48)")
   parser.add_argument("--layouts", choices=LAYOUTS, nargs="+", default=list(LAYOUTS), help="physical layouts")
-  parser.add_argument("--repeats", type=_positive_int, default=20, help="timed steps per case (after one warm-up)")
+  parser.add_argument("--repeats", type=_positive_int, default=None, help="timed steps per case after a warm-up (20)")
   parser.add_argument("--seed", type=int, default=0, help="seed of the shuffled layout")
+  parser.add_argument("--quick", action="store_true", help="8 layers, 2 timed steps (a smoke run)")
   parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
   args = parser.parse_args(argv)
+  args.layers = args.layers or ([8] if args.quick else [8, 48])
+  args.repeats = args.repeats or (2 if args.quick else 20)
 
   rows = [measure(n, layout, args.repeats, args.seed) for n in args.layers for layout in args.layouts]
   if args.json:

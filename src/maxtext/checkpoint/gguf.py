@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -36,8 +35,6 @@ import tqdm
 from maxtext.checkpoint import hf_config, hf_layout
 from maxtext.configs import load_config
 from maxtext.configs.errors import MissingDependencyError
-
-logger = logging.getLogger(__name__)
 
 # GGUF general.architecture -> Hugging Face model_type (whose config mapping and tensor layout are reused).
 ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3"}

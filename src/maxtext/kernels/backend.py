@@ -20,13 +20,23 @@ from typing import Any
 import jax
 
 from maxtext.configs.errors import ConfigError
-from maxtext.kernels import experts
+from maxtext.kernels import experts, moe
 from maxtext.kernels.ragged_conv1d import ragged_conv1d
 from maxtext.kernels.ragged_gated_delta_rule import ragged_gated_delta_rule
 from maxtext.kernels.ragged_paged_attention import ragged_paged_attention
 
 REFERENCE = "reference"
-EXPERT_METHODS = experts.EXPERT_METHODS  # `method` values of moe_experts
+# `method` of moe_experts. tiled: only the selected experts, a loop over one-expert tiles of the rows sorted by
+# expert (the default; on CPU several times faster than dense, see docs/benchmarks.md); ragged: the same grouped
+# matmul as `jax.lax.ragged_dot` (for backends with a native grouped matmul); dense: every expert on every token
+# (the reference); gather: `[T, k, D, F]` weight copies (small T only).
+_EXPERT_FNS = {
+    "tiled": moe.experts_tiled,
+    "ragged": moe.experts_ragged,
+    "dense": experts.experts_dense,
+    "gather": experts.experts_gather,
+}
+EXPERT_METHODS = tuple(_EXPERT_FNS)
 
 
 class KernelBackend(abc.ABC):
@@ -137,7 +147,7 @@ class KernelBackend(abc.ABC):
       *,
       activation: Callable[[jax.Array], jax.Array],
       dtype: Any,
-      method: str = "dense",
+      method: str = "tiled",
   ) -> jax.Array:
     """Routed experts: x `[T, D]`, top-k weights and indices `[T, k]`, stacked weights -> `[T, D]`."""
 
@@ -224,12 +234,11 @@ class ReferenceBackend(KernelBackend):
     return (conv_state, recurrent_state), out.reshape(t, n_v * d_v)
 
   def moe_experts(  # pylint: disable=too-many-positional-arguments
-      self, x, weights, indices, w_gate, w_up, w_down, *, activation, dtype, method="dense"
+      self, x, weights, indices, w_gate, w_up, w_down, *, activation, dtype, method="tiled"
   ):
-    if method not in EXPERT_METHODS:
+    if method not in _EXPERT_FNS:
       raise ValueError(f"MoE method must be one of {EXPERT_METHODS}, got {method!r}")
-    fn = experts.experts_dense if method == "dense" else experts.experts_gather
-    return fn(x, weights, indices, w_gate, w_up, w_down, activation=activation, dtype=dtype)
+    return _EXPERT_FNS[method](x, weights, indices, w_gate, w_up, w_down, activation=activation, dtype=dtype)
 
 
 _BACKENDS: dict[str, Callable[[jax.sharding.Mesh | None], KernelBackend]] = {REFERENCE: ReferenceBackend}

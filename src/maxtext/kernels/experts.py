@@ -10,8 +10,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-EXPERT_METHODS = ("dense", "gather")
-
 
 def experts_dense(
     x: jax.Array,

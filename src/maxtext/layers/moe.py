@@ -51,7 +51,7 @@ class MoE(nnx.Module):
       shared_mlp_dim: int = 0,
       normalize_top_k: bool = True,
       activation: str = "silu",
-      method: str = "dense",
+      method: str = "tiled",
       dtype: jnp.dtype = jnp.float32,
       weight_dtype: jnp.dtype = jnp.float32,
       rngs: nnx.Rngs,

@@ -19,6 +19,7 @@ OP_MODULES = {
     "maxtext.kernels.ragged_conv1d",
     "maxtext.kernels.ragged_gated_delta_rule",
     "maxtext.kernels.experts",
+    "maxtext.kernels.moe",
 }
 
 
@@ -126,7 +127,9 @@ def test_reference_backend_rejects_what_it_does_not_implement():
     backend.ragged_paged_attention(*args, jnp.asarray([0, 0, 1]), None, 1.0, k_scale=0.5)
   x = jnp.zeros((2, 8))
   w = jnp.zeros((2, 8, 4))
-  with pytest.raises(ValueError, match=r"MoE method must be one of \('dense', 'gather'\), got 'sorted'"):
+  with pytest.raises(
+      ValueError, match=r"MoE method must be one of \('tiled', 'ragged', 'dense', 'gather'\), got 'sorted'"
+  ):
     backend.moe_experts(
         x,
         jnp.ones((2, 1)),

@@ -1,4 +1,4 @@
-"""MoE routing (softmax in fp32, top-k, renormalisation), dense vs gather experts, shared expert gate."""
+"""MoE routing (softmax in fp32, top-k, renormalisation), every experts method, shared expert gate."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -61,7 +61,7 @@ def test_route_rejects_bad_top_k():
     route(jnp.zeros((1, 4)), top_k=5, normalize=True)
 
 
-@pytest.mark.parametrize("method", ["dense", "gather"])
+@pytest.mark.parametrize("method", ["tiled", "ragged", "dense", "gather"])
 @pytest.mark.parametrize("normalize,shared", [(True, True), (False, False), (False, True)])
 def test_moe_matches_reference(method, normalize, shared):
   layer = MoE(16, 6, 2, 12, shared_mlp_dim=10 if shared else 0, normalize_top_k=normalize, method=method,
@@ -109,7 +109,7 @@ def test_dense_and_gather_agree_in_bfloat16():
         ((8, 0, 1, 4), {}, "MoE needs num_experts > 0 and moe_mlp_dim > 0, got 0 and 4"),
         ((8, 4, 1, 0), {}, "MoE needs num_experts > 0 and moe_mlp_dim > 0, got 4 and 0"),
         ((8, 4, 5, 4), {}, r"num_experts_per_tok must be in \[1, 4\], got 5"),
-        ((8, 4, 2, 4), {"method": "ragged"}, "MoE method must be one of .*got 'ragged'"),
+        ((8, 4, 2, 4), {"method": "sparse"}, "MoE method must be one of .*got 'sparse'"),
         ((8, 4, 2, 4), {"activation": "tanh"}, "mlp activation must be one of"),
     ],
 )

@@ -1,0 +1,528 @@
+"""Benchmark: greedy decode tokens/s of this package beside transformers and vLLM, on seeded random checkpoints.
+
+One invocation builds three seeded random Hugging Face checkpoints with transformers' `save_pretrained` (fp32,
+hidden 512, vocab 32000, head_dim 64):
+  llama       8 layers
+  gemma3      12 layers, 5 sliding (window 128) : 1 full
+  qwen3_next  8 layers, 3 Gated DeltaNet : 1 full attention, 16 experts top-2 plus a shared expert
+then runs every peer on every checkpoint, each in its own process:
+  maxtext       this package's `LLM` API over the Hugging Face folder
+  transformers  `AutoModelForCausalLM.from_pretrained(...).generate(...)` (needs the hf extra)
+  vllm          vLLM's CPU engine (`vllm.LLM`), only when importable by `--vllm-python` (default: this interpreter)
+and a JAX read-bandwidth probe (the largest of a few array sums). Per peer and batch it reports tokens/s of one
+`generate` call after a warm-up call of the same shape (best of `--repeats`), the load + first-call time, the
+steady-state recompilations (this package: the engine's step traces during the timed calls; must be 0) and the
+share of the memory roofline: (active weight bytes per step / read bandwidth) / measured time per step, where a
+step is one token per request (the prompt's prefill is part of the timed call) and the active bytes count every
+weight read in a decode step (the untied embedding table is not read; an MoE layer reads the experts its batch
+selects, estimated for uniform routing). Whether each peer's greedy tokens equal transformers' is reported too.
+
+Timings are measurements only; on a shared machine compare ratios from one run, not absolute numbers.
+
+Usage: python scripts/benchmark_decode.py [--models llama gemma3 qwen3_next] [--peers maxtext transformers vllm]
+                                          [--batches 1 8] [--prompt-len 64] [--new-tokens 64] [--repeats 2]
+                                          [--vllm-python PATH] [--quick] [--json]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PEERS = ("maxtext", "transformers", "vllm")
+LIN, FULL, SLIDE = "linear_attention", "full_attention", "sliding_attention"
+_COMMON = {
+    "vocab_size": 32000,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.05,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": None,  # no stop token: every peer generates exactly --new-tokens tokens
+    "pad_token_id": 0,
+}
+# model name -> (transformers model_type, config kwargs)
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", dict(_COMMON, num_hidden_layers=8, tie_word_embeddings=False)),
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            _COMMON,
+            num_hidden_layers=12,
+            layer_types=([SLIDE] * 5 + [FULL]) * 2,
+            sliding_window=128,
+            query_pre_attn_scalar=64,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3_next": (
+        "qwen3_next",
+        dict(
+            _COMMON,
+            num_hidden_layers=8,
+            num_key_value_heads=2,
+            layer_types=[LIN, LIN, LIN, FULL] * 2,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_conv_kernel_dim=4,
+            num_experts=16,
+            num_experts_per_tok=2,
+            moe_intermediate_size=256,
+            shared_expert_intermediate_size=512,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        ),
+    ),
+}
+# --quick: the same three families at test size (a few seconds per process).
+_QUICK = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "head_dim": 32, "num_attention_heads": 4}
+QUICK_OVERRIDES: dict[str, dict[str, Any]] = {
+    "llama": dict(_QUICK, num_hidden_layers=2),
+    "gemma3": dict(_QUICK, num_hidden_layers=3, layer_types=[SLIDE, SLIDE, FULL], sliding_window=8),
+    "qwen3_next": dict(
+        _QUICK,
+        num_hidden_layers=4,
+        layer_types=[LIN, LIN, LIN, FULL],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    ),
+}
+_EXPERT_MARK = ".mlp.experts."
+RESULT_MARK = "benchmark_decode result: "  # frameworks print to stdout too; the result line carries this prefix
+_EMBED_MARK = "embed_tokens"
+
+
+def model_config(model: str, quick: bool) -> tuple[str, dict[str, Any]]:
+  """(transformers model_type, config kwargs) of `model`, at test size when `quick`."""
+  model_type, kwargs = MODELS[model]
+  return model_type, dict(kwargs, **QUICK_OVERRIDES[model]) if quick else dict(kwargs)
+
+
+def expected_active_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
+  """Expected number of distinct experts `num_tokens` tokens select, each `top_k` of `num_experts` uniformly."""
+  return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
+def active_weight_bytes(tensor_bytes: dict[str, int], hf_config: dict[str, Any], batch: int) -> float:
+  """Weight bytes one decode step of `batch` requests reads.
+
+  Args:
+    tensor_bytes: checkpoint tensor name -> bytes.
+    hf_config: the checkpoint's config.json.
+    batch: tokens in the step (one per request).
+
+  Returns:
+    Every tensor's bytes except the embedding table's (a step reads `batch` of its rows), plus the table when it is
+    also the output head (tied); routed-expert tensors count for the expected share of experts the batch selects.
+  """
+  num_experts = int(hf_config.get("num_experts") or 0)
+  expert_share = (
+      expected_active_experts(num_experts, int(hf_config["num_experts_per_tok"]), batch) / num_experts
+      if num_experts
+      else 1.0
+  )
+  total = 0.0
+  for name, size in tensor_bytes.items():
+    if _EMBED_MARK in name:
+      total += size if hf_config.get("tie_word_embeddings") else 0
+    elif _EXPERT_MARK in name:
+      total += size * expert_share
+    else:
+      total += size
+  return total
+
+
+# ----------------------------------------------------------------------------------------------- worker processes
+# Each worker prints one JSON object on a stdout line that starts with RESULT_MARK. They import their frameworks
+# lazily: the vLLM worker runs in another interpreter that has neither JAX nor this package.
+# pylint: disable=import-outside-toplevel  # each worker imports only its own framework (and may lack the others)
+
+
+def build_checkpoint(folder: str, model: str, quick: bool, seed: int) -> dict[str, Any]:
+  """Writes a seeded random fp32 checkpoint and a WordLevel tokenizer.json over its vocabulary to `folder`."""
+  import torch
+  import transformers
+  from safetensors import safe_open
+  from tokenizers import Tokenizer, models, pre_tokenizers
+
+  model_type, kwargs = model_config(model, quick)
+  config = transformers.AutoConfig.for_model(model_type, **kwargs)
+  torch.manual_seed(seed)
+  hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+  hf_model.save_pretrained(folder)
+  vocab = {f"w{i}": i for i in range(config.vocab_size)}
+  tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+  tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tokenizer.save(os.path.join(folder, "tokenizer.json"))
+  tensor_bytes = {}
+  for file in sorted(Path(folder).glob("*.safetensors")):
+    with safe_open(str(file), framework="pt") as f:
+      for name in f.keys():
+        t = f.get_slice(name)
+        numel = 1
+        for dim in t.get_shape():
+          numel *= dim
+        tensor_bytes[name] = numel * 4  # saved in fp32
+  return {"params": sum(tensor_bytes.values()) // 4, "tensor_bytes": tensor_bytes}
+
+
+def measure_bandwidth(quick: bool) -> dict[str, Any]:
+  """JAX read bandwidth: bytes over the best time of a jitted sum of a large fp32 array."""
+  import jax
+  import jax.numpy as jnp
+
+  n = (4 if quick else 64) * 2**20  # 16 MiB or 256 MiB of fp32
+  x = jax.block_until_ready(jnp.ones((n,), jnp.float32))
+  total = jax.jit(jnp.sum)
+  jax.block_until_ready(total(x))
+  best = float("inf")
+  for _ in range(3 if quick else 10):
+    start = time.perf_counter()
+    jax.block_until_ready(total(x))
+    best = min(best, time.perf_counter() - start)
+  return {"bytes": 4 * n, "best_s": best, "gb_per_s": 4 * n / best / 1e9}
+
+
+def _prompts(vocab_size: int, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  return rng.integers(3, vocab_size, size=(batch, prompt_len)).tolist()
+
+
+def run_maxtext(folder: str, batches: Sequence[int], prompt_len: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+  """This package's LLM over the Hugging Face folder."""
+  from maxtext.inference import LLM, SamplingParams
+
+  start = time.perf_counter()
+  llm = LLM(
+      hf_model_path=folder,
+      max_num_seqs=max(batches),
+      max_num_batched_tokens=max(256, max(batches) * prompt_len),
+      max_target_length=prompt_len + new_tokens,
+  )
+  load_s = time.perf_counter() - start
+  params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+  out: dict[str, Any] = {"load_s": load_s, "batches": {}}
+  for batch in batches:
+    prompts = _prompts(llm.tokenizer.vocab_size, batch, prompt_len, seed=batch)
+    start = time.perf_counter()
+    llm.generate(prompts, params)  # warm-up: compiles this batch's shapes
+    first_s = time.perf_counter() - start
+    traces = llm.engine.stats.step_traces
+    best, tokens = float("inf"), None
+    for _ in range(repeats):
+      start = time.perf_counter()
+      outputs = llm.generate(prompts, params)
+      best = min(best, time.perf_counter() - start)
+      tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    out["batches"][str(batch)] = {
+        "first_call_s": first_s,
+        "generate_s": best,
+        "tokens_per_s": batch * new_tokens / best,
+        "recompilations": llm.engine.stats.step_traces - traces,
+        "tokens": tokens,
+    }
+  return out
+
+
+def run_transformers(
+    folder: str, batches: Sequence[int], prompt_len: int, new_tokens: int, repeats: int
+) -> dict[str, Any]:
+  """transformers' `generate`, greedy, fp32."""
+  import torch
+  import transformers
+
+  start = time.perf_counter()
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+  load_s = time.perf_counter() - start
+  out: dict[str, Any] = {"load_s": load_s, "torch_threads": torch.get_num_threads(), "batches": {}}
+  kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 0}
+  for batch in batches:
+    ids = torch.tensor(_prompts(model.config.vocab_size, batch, prompt_len, seed=batch))
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+      start = time.perf_counter()
+      model.generate(ids, attention_mask=mask, **kwargs)
+      first_s = time.perf_counter() - start
+      best, tokens = float("inf"), None
+      for _ in range(repeats):
+        start = time.perf_counter()
+        result = model.generate(ids, attention_mask=mask, **kwargs)
+        best = min(best, time.perf_counter() - start)
+        tokens = result[:, prompt_len:].tolist()
+    out["batches"][str(batch)] = {
+        "first_call_s": first_s,
+        "generate_s": best,
+        "tokens_per_s": batch * new_tokens / best,
+        "tokens": tokens,
+    }
+  return out
+
+
+def run_vllm(folder: str, batches: Sequence[int], prompt_len: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+  """vLLM's CPU engine (its own interpreter), greedy; the dtype of the checkpoint's config (fp32)."""
+  import vllm  # pylint: disable=import-error  # only in the vLLM venv (--vllm-python)
+
+  vocab_size = json.loads(Path(folder, "config.json").read_text(encoding="utf-8"))["vocab_size"]
+  start = time.perf_counter()
+  llm = vllm.LLM(
+      model=folder,
+      dtype="float32",
+      skip_tokenizer_init=True,
+      max_model_len=prompt_len + new_tokens,
+      max_num_seqs=max(batches),
+      seed=0,
+  )
+  load_s = time.perf_counter() - start
+  params = vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
+  out: dict[str, Any] = {"load_s": load_s, "version": vllm.__version__, "batches": {}}
+  for batch in batches:
+    prompts = [{"prompt_token_ids": p} for p in _prompts(vocab_size, batch, prompt_len, seed=batch)]
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    first_s = time.perf_counter() - start
+    best, tokens = float("inf"), None
+    for _ in range(repeats):
+      start = time.perf_counter()
+      outputs = llm.generate(prompts, params, use_tqdm=False)
+      best = min(best, time.perf_counter() - start)
+      tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    out["batches"][str(batch)] = {
+        "first_call_s": first_s,
+        "generate_s": best,
+        "tokens_per_s": batch * new_tokens / best,
+        "tokens": tokens,
+    }
+  return out
+
+
+# pylint: enable=import-outside-toplevel
+_WORKERS = {"maxtext": run_maxtext, "transformers": run_transformers, "vllm": run_vllm}
+
+
+def _worker_main(argv: Sequence[str]) -> int:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("role", choices=("build", "bandwidth") + PEERS)
+  parser.add_argument("--folder", default="")
+  parser.add_argument("--model", default="llama")
+  parser.add_argument("--batches", type=int, nargs="+", default=[1])
+  parser.add_argument("--prompt-len", type=int, default=8)
+  parser.add_argument("--new-tokens", type=int, default=4)
+  parser.add_argument("--repeats", type=int, default=1)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--quick", action="store_true")
+  args = parser.parse_args(argv)
+  if args.role == "build":
+    result = build_checkpoint(args.folder, args.model, args.quick, args.seed)
+  elif args.role == "bandwidth":
+    result = measure_bandwidth(args.quick)
+  else:
+    result = _WORKERS[args.role](args.folder, args.batches, args.prompt_len, args.new_tokens, args.repeats)
+  print(RESULT_MARK + json.dumps(result), flush=True)
+  return 0
+
+
+# ----------------------------------------------------------------------------------------------- the driver
+
+
+def _env() -> dict[str, str]:
+  """This environment, with the repository's src/ first on PYTHONPATH (a fresh checkout runs without install)."""
+  env = dict(os.environ)
+  src = str(Path(__file__).resolve().parents[1] / "src")
+  env["PYTHONPATH"] = os.pathsep.join([src] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+  env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+  return env
+
+
+def run_worker(python: str, role: str, args: Sequence[str], timeout: float) -> dict[str, Any]:
+  """Runs one worker process; returns its JSON result, or {"error": ...} when it fails."""
+  cmd = [python, str(Path(__file__).resolve()), "--_worker", role, *args]
+  try:
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+  except subprocess.TimeoutExpired:
+    return {"error": f"timed out after {timeout:.0f} s"}
+  lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
+  if proc.returncode != 0 or not lines:
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"exit status {proc.returncode}: {tail}"}
+  return json.loads(lines[-1][len(RESULT_MARK) :])
+
+
+def vllm_available(python: str) -> tuple[bool, str]:
+  """Whether `python` can import vllm, and why not."""
+  try:
+    proc = subprocess.run(
+        [python, "-c", "import vllm; print(vllm.__version__)"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+  except (OSError, subprocess.TimeoutExpired) as e:
+    return False, f"{python}: {e}"
+  if proc.returncode != 0:
+    return False, (proc.stderr.strip().splitlines() or ["import vllm failed"])[-1]
+  return True, proc.stdout.strip()
+
+
+def _matches(tokens: list[list[int]] | None, reference: list[list[int]] | None) -> float | None:
+  if tokens is None or reference is None:
+    return None
+  return sum(a == b for a, b in zip(tokens, reference)) / len(reference)
+
+
+def summarize(
+    model: str, checkpoint: dict[str, Any], hf_config: dict[str, Any], peers: dict[str, Any], gb_per_s: float
+) -> list[dict[str, Any]]:
+  """One row per (model, peer, batch): tokens/s, first call, recompilations, roofline share, token agreement."""
+  rows = []
+  reference = peers.get("transformers", {}).get("batches", {})
+  for peer, result in peers.items():
+    if "error" in result:
+      rows.append({"model": model, "peer": peer, "batch": None, "error": result["error"]})
+      continue
+    for batch, stats in result["batches"].items():
+      step_s = stats["generate_s"] / stats.get("steps", len(stats["tokens"][0]))
+      ideal_s = active_weight_bytes(checkpoint["tensor_bytes"], hf_config, int(batch)) / (gb_per_s * 1e9)
+      rows.append(
+          {
+              "model": model,
+              "peer": peer,
+              "batch": int(batch),
+              "tokens_per_s": stats["tokens_per_s"],
+              "load_s": result["load_s"],
+              "first_call_s": stats["first_call_s"],
+              "recompilations": stats.get("recompilations"),
+              "roofline_share": ideal_s / step_s,
+              "same_tokens_as_transformers": _matches(stats["tokens"], reference.get(batch, {}).get("tokens")),
+          }
+      )
+  best: dict[tuple[str, int], float] = {}
+  for row in rows:
+    if row.get("batch") is not None and row["peer"] != "maxtext":
+      key = (row["model"], row["batch"])
+      best[key] = max(best.get(key, 0.0), row["tokens_per_s"])
+  for row in rows:
+    if row.get("batch") is not None and row["peer"] == "maxtext" and (row["model"], row["batch"]) in best:
+      row["ratio_to_best_peer"] = row["tokens_per_s"] / best[(row["model"], row["batch"])]
+  return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+  """Human-readable table of `summarize` rows."""
+  header = (
+      f"{'model':<11} {'peer':<12} {'batch':>5} {'tok/s':>8} {'vs best':>7} {'load_s':>7} {'first_s':>7} "
+      f"{'recomp':>6} {'roofline':>8} {'same':>5}"
+  )
+  lines = [header, "-" * len(header)]
+  for row in rows:
+    if row.get("batch") is None:
+      lines.append(f"{row['model']:<11} {row['peer']:<12} not run: {row['error']}")
+      continue
+    ratio = f"{row['ratio_to_best_peer']:.2f}" if "ratio_to_best_peer" in row else "-"
+    recomp = "-" if row["recompilations"] is None else str(row["recompilations"])
+    same = "-" if row["same_tokens_as_transformers"] is None else f"{row['same_tokens_as_transformers']:.2f}"
+    lines.append(
+        f"{row['model']:<11} {row['peer']:<12} {row['batch']:>5} {row['tokens_per_s']:>8.1f} {ratio:>7} "
+        f"{row['load_s']:>7.2f} {row['first_call_s']:>7.2f} {recomp:>6} {row['roofline_share']:>8.2f} {same:>5}"
+    )
+  return "\n".join(lines)
+
+
+def _positive_int(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+  return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] == ["--_worker"]:
+    return _worker_main(argv[1:])
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--models", choices=tuple(MODELS), nargs="+", default=list(MODELS), help="checkpoints to run")
+  parser.add_argument("--peers", choices=PEERS, nargs="+", default=list(PEERS), help="implementations to run")
+  parser.add_argument("--batches", type=_positive_int, nargs="+", default=None, help="requests per call (1 8)")
+  parser.add_argument("--prompt-len", type=_positive_int, default=None, help="prompt tokens per request (64)")
+  parser.add_argument("--new-tokens", type=_positive_int, default=None, help="generated tokens per request (64)")
+  parser.add_argument("--repeats", type=_positive_int, default=None, help="timed calls per batch, best kept (2)")
+  parser.add_argument("--seed", type=int, default=0, help="seed of the random checkpoints")
+  parser.add_argument("--vllm-python", default=sys.executable, help="interpreter that has vllm (its own venv)")
+  parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker process")
+  parser.add_argument("--quick", action="store_true", help="test-size models, batches 1 2, 8 + 4 tokens, 1 repeat")
+  parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+  args = parser.parse_args(argv)
+  batches = args.batches or ([1, 2] if args.quick else [1, 8])
+  prompt_len = args.prompt_len or (8 if args.quick else 64)
+  new_tokens = args.new_tokens or (4 if args.quick else 64)
+  repeats = args.repeats or (1 if args.quick else 2)
+  quick = ["--quick"] if args.quick else []
+  notes = {}
+  peers = list(args.peers)
+  if "vllm" in peers:
+    ok, why = vllm_available(args.vllm_python)
+    notes["vllm"] = why
+    if not ok:
+      peers.remove("vllm")
+  bandwidth = run_worker(sys.executable, "bandwidth", quick, args.timeout)
+  if "error" in bandwidth:
+    raise SystemExit(f"benchmark_decode: the bandwidth probe failed: {bandwidth['error']}")
+  rows = []
+  with tempfile.TemporaryDirectory(prefix="benchmark_decode_") as tmp:
+    for model in args.models:
+      folder = os.path.join(tmp, model)
+      checkpoint = run_worker(
+          sys.executable, "build", ["--folder", folder, "--model", model, "--seed", str(args.seed)] + quick, args.timeout
+      )
+      if "error" in checkpoint:
+        raise SystemExit(f"benchmark_decode: building the {model} checkpoint failed: {checkpoint['error']}")
+      hf_config = json.loads(Path(folder, "config.json").read_text(encoding="utf-8"))
+      run_args = ["--folder", folder, "--batches", *map(str, batches), "--prompt-len", str(prompt_len)]
+      run_args += ["--new-tokens", str(new_tokens), "--repeats", str(repeats)]
+      results = {
+          peer: run_worker(args.vllm_python if peer == "vllm" else sys.executable, peer, run_args, args.timeout)
+          for peer in peers
+      }
+      rows += [
+          dict(row, params=checkpoint["params"])
+          for row in summarize(model, checkpoint, hf_config, results, bandwidth["gb_per_s"])
+      ]
+  settings = {"batches": batches, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats}
+  if args.json:
+    print(json.dumps({"settings": settings, "bandwidth": bandwidth, "notes": notes, "results": rows}))
+  else:
+    print(
+        f"prompt {prompt_len} + {new_tokens} new tokens, greedy, fp32, best of {repeats}; JAX read bandwidth "
+        f"{bandwidth['gb_per_s']:.1f} GB/s"
+    )
+    for peer, note in notes.items():
+      print(f"{peer}: {note}")
+    print(format_table(rows))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

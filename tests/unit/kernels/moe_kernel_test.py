@@ -1,0 +1,108 @@
+"""kernels/moe.py (named apart from layers/moe_test.py: test basenames must be unique): grouped-matmul experts
+(ragged_dot and tiled) against experts_dense and a float64 NumPy reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtext.kernels.moe import experts_ragged, experts_tiled, sort_by_expert, tile_rows
+from maxtext.layers.moe import experts_dense
+
+KERNELS = {"ragged": experts_ragged, "tiled": experts_tiled}
+
+
+def _silu64(x):
+  return x / (1 + np.exp(-x))
+
+
+def _reference(x, weights, indices, wg, wu, wd):
+  """Token by token, choice by choice, in float64."""
+  x, weights, wg, wu, wd = (np.asarray(a, np.float64) for a in (x, weights, wg, wu, wd))
+  out = np.zeros_like(x)
+  for t in range(x.shape[0]):
+    for j, e in enumerate(np.asarray(indices)[t]):
+      h = _silu64(x[t] @ wg[e]) * (x[t] @ wu[e])
+      out[t] += weights[t, j] * (h @ wd[e])
+  return out
+
+
+def _case(num_tokens, num_experts, top_k, seed=0, skew=False, dim=16, mlp=12):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(num_tokens, dim)).astype(np.float32)
+  if skew:  # every token picks experts 0..k-1: one expert's run spans many tiles, the others are empty
+    indices = np.tile(np.arange(top_k, dtype=np.int32), (num_tokens, 1))
+  else:
+    indices = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(num_tokens)]).astype(np.int32)
+  weights = rng.uniform(0.1, 1.0, size=(num_tokens, top_k)).astype(np.float32)
+  wg, wu = (rng.normal(size=(num_experts, dim, mlp)).astype(np.float32) * 0.3 for _ in range(2))
+  wd = rng.normal(size=(num_experts, mlp, dim)).astype(np.float32) * 0.3
+  return x, weights, indices, wg, wu, wd
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,skew",
+    [(1, 16, 2, False), (5, 4, 1, False), (8, 16, 2, False), (64, 16, 2, False), (33, 6, 3, True), (7, 3, 3, False)],
+)
+def test_kernel_matches_float64_reference_and_dense(kernel, num_tokens, num_experts, top_k, skew):
+  x, weights, indices, wg, wu, wd = _case(num_tokens, num_experts, top_k, skew=skew)
+  kw = {"activation": jax.nn.silu, "dtype": jnp.float32}
+  fn = jax.jit(lambda *a: KERNELS[kernel](*a, **kw))
+  out = np.asarray(fn(x, weights, indices, wg, wu, wd))
+  assert out.shape == (num_tokens, 16) and out.dtype == np.float32
+  np.testing.assert_allclose(out, _reference(x, weights, indices, wg, wu, wd), atol=2e-5, rtol=1e-5)
+  dense = np.asarray(experts_dense(x, weights, indices, wg, wu, wd, **kw))
+  np.testing.assert_allclose(out, dense, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_in_bfloat16_is_close_to_the_float64_reference(kernel):
+  x, weights, indices, wg, wu, wd = _case(12, 8, 2, seed=3)
+  cast = [jnp.asarray(a, jnp.bfloat16) for a in (x, wg, wu, wd)]
+  out = KERNELS[kernel](cast[0], weights, indices, *cast[1:], activation=jax.nn.silu, dtype=jnp.bfloat16)
+  assert out.dtype == jnp.bfloat16
+  ref = _reference(
+      *(np.asarray(a, np.float32) for a in (cast[0], weights)), indices, *(np.asarray(a, np.float32) for a in cast[1:])
+  )
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=5e-2, rtol=5e-2)
+
+
+def test_sort_by_expert_orders_rows_stably_with_group_sizes():
+  indices = jnp.asarray([[2, 0], [0, 1], [2, 3]], jnp.int32)
+  order, token_of_row, group_sizes = sort_by_expert(indices, 5)
+  # Flat rows: 0:(t0,e2) 1:(t0,e0) 2:(t1,e0) 3:(t1,e1) 4:(t2,e2) 5:(t2,e3).
+  assert order.tolist() == [1, 2, 3, 0, 4, 5]
+  assert token_of_row.tolist() == [0, 1, 1, 0, 2, 2]
+  assert group_sizes.tolist() == [2, 1, 2, 1, 0]
+
+
+@pytest.mark.parametrize("num_rows,num_experts", [(1, 16), (2, 16), (16, 16), (128, 16), (1024, 16), (9, 4), (7, 3)])
+def test_tile_bound_covers_every_routing(num_rows, num_experts):
+  m, max_tiles = tile_rows(num_rows, num_experts)
+  assert m == -(-num_rows // num_experts) and 1 <= max_tiles <= num_rows
+  rng = np.random.default_rng(num_rows)
+  worst = 0
+  for _ in range(200):  # random, and maximally fragmented, splits of the rows over the experts
+    sizes = np.bincount(rng.integers(0, num_experts, size=num_rows), minlength=num_experts)
+    worst = max(worst, int(np.sum(-(-sizes // m))))
+  fragmented = np.full(num_experts, 0)
+  fragmented[: min(num_experts, num_rows)] = 1
+  fragmented[0] += num_rows - fragmented.sum()
+  worst = max(worst, int(np.sum(-(-fragmented // m))))
+  assert worst <= max_tiles
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(
+    "shapes,match",
+    [
+        (((4, 8), (4, 2), (4, 3), (3, 8, 5), (3, 8, 5), (3, 5, 8)), r"weights, indices \[T, k\]; got x \(4, 8\)"),
+        (((4, 8), (4, 2), (4, 2), (3, 8, 5), (3, 8, 5), (3, 8, 5)), r"w_down \[E, F, D\] with D = x.shape\[1\] = 8"),
+        (((4, 6), (4, 2), (4, 2), (3, 8, 5), (3, 8, 5), (3, 5, 8)), r"D = x.shape\[1\] = 6; got w_gate \(3, 8, 5\)"),
+    ],
+)
+def test_kernel_rejects_shapes_that_disagree(kernel, shapes, match):
+  arrays = [jnp.zeros(s, jnp.int32 if i == 2 else jnp.float32) for i, s in enumerate(shapes)]
+  with pytest.raises(ValueError, match=match):
+    KERNELS[kernel](*arrays, activation=jax.nn.silu, dtype=jnp.float32)

@@ -1,0 +1,97 @@
+"""Runs scripts/benchmark_decode.py in --quick mode (this package and transformers) so the benchmark cannot rot."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "benchmark_decode.py"
+
+
+def _load_benchmark():
+  spec = importlib.util.spec_from_file_location("benchmark_decode", _SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.hf
+@pytest.mark.slow
+def test_quick_run_reports_every_model_peer_and_batch_with_transformers_tokens(capsys):
+  benchmark = _load_benchmark()
+  assert benchmark.main(["--quick", "--json", "--peers", "maxtext", "transformers"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["settings"] == {"batches": [1, 2], "prompt_len": 8, "new_tokens": 4, "repeats": 1}
+  assert report["bandwidth"]["gb_per_s"] > 0
+  rows = report["results"]
+  assert [(r["model"], r["peer"], r["batch"]) for r in rows] == [
+      (model, peer, batch)
+      for model in ("llama", "gemma3", "qwen3_next")
+      for peer in ("maxtext", "transformers")
+      for batch in (1, 2)
+  ]
+  for row in rows:
+    assert row["tokens_per_s"] > 0 and row["first_call_s"] > 0 and 0 < row["roofline_share"]
+    # Same seeded checkpoint and prompts, greedy: this package must pick transformers' tokens.
+    assert row["same_tokens_as_transformers"] == 1.0, row
+    if row["peer"] == "maxtext":
+      assert row["recompilations"] == 0 and row["ratio_to_best_peer"] > 0
+    else:
+      assert row["recompilations"] is None and "ratio_to_best_peer" not in row
+
+
+def test_active_experts_and_weight_bytes():
+  benchmark = _load_benchmark()
+  assert benchmark.expected_active_experts(16, 2, 1) == pytest.approx(2.0)
+  # 8 tokens x top-2 of 16, uniform: 16 * (1 - (14/16)^8) = 10.25...
+  assert benchmark.expected_active_experts(16, 2, 8) == pytest.approx(16 * (1 - 0.875**8))
+  tensors = {
+      "model.embed_tokens.weight": 1000,
+      "model.layers.0.mlp.experts.gate_up_proj": 160,
+      "model.layers.0.self_attn.q_proj.weight": 30,
+      "lm_head.weight": 1000,
+  }
+  untied = {"num_experts": 16, "num_experts_per_tok": 2, "tie_word_embeddings": False}
+  assert benchmark.active_weight_bytes(tensors, untied, 1) == pytest.approx(30 + 1000 + 160 * 2 / 16)
+  dense_tied = {"tie_word_embeddings": True}
+  assert benchmark.active_weight_bytes({"model.embed_tokens.weight": 1000, "x": 5}, dense_tied, 8) == 1005
+
+
+def test_table_marks_peers_that_did_not_run():
+  benchmark = _load_benchmark()
+  rows = [
+      {
+          "model": "llama",
+          "peer": "maxtext",
+          "batch": 1,
+          "tokens_per_s": 50.0,
+          "load_s": 1.0,
+          "first_call_s": 2.0,
+          "recompilations": 0,
+          "roofline_share": 0.25,
+          "same_tokens_as_transformers": 1.0,
+          "ratio_to_best_peer": 0.5,
+      },
+      {"model": "llama", "peer": "vllm", "batch": None, "error": "exit status 1: boom"},
+  ]
+  lines = benchmark.format_table(rows).splitlines()
+  assert lines[0].split() == ["model", "peer", "batch", "tok/s", "vs", "best", "load_s", "first_s", "recomp"] + [
+      "roofline",
+      "same",
+  ]
+  assert lines[2].split() == ["llama", "maxtext", "1", "50.0", "0.50", "1.00", "2.00", "0", "0.25", "1.00"]
+  assert lines[3].split()[:4] == ["llama", "vllm", "not", "run:"] and lines[3].endswith("boom")
+
+
+def test_vllm_is_reported_missing_from_an_interpreter_without_it():
+  ok, why = _load_benchmark().vllm_available(sys.executable)
+  assert not ok and "vllm" in why
+
+
+@pytest.mark.parametrize("argv", [["--batches", "0"], ["--peers", "tgi"], ["--models", "gpt2"]])
+def test_benchmark_rejects_bad_arguments(argv):
+  with pytest.raises(SystemExit) as exit_info:
+    _load_benchmark().main(argv)
+  assert exit_info.value.code == 2

@@ -1,0 +1,74 @@
+"""Runs scripts/benchmark_memory.py in --quick mode so the benchmark cannot rot."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "benchmark_memory.py"
+
+
+def _load_benchmark():
+  spec = importlib.util.spec_from_file_location("benchmark_memory", _SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+# One attention page in both tiny models: block 16 x (K and V) x 2 KV heads x head_dim 32 padded to 128 lanes x 4
+# bytes (fp32) = 32 KiB.
+PAGE = 16 * 2 * 2 * 128 * 4
+
+
+def test_quick_run_counts_blocks_per_group_and_writes_the_plot(capsys, tmp_path):
+  benchmark = _load_benchmark()
+  png = tmp_path / "memory.png"
+  argv = ["--quick", "--json", "--contexts", "48", "--throughput-max-context", "0", "--plot", str(png)]
+  assert benchmark.main(argv) == 0
+  report = json.loads(capsys.readouterr().out)
+  gemma, qwen = report["results"]
+  assert (gemma["config"], gemma["context"], qwen["config"]) == ("gemma3", 48, "qwen3_next")
+  # gemma3: 6 attention layers x cdiv(48, 16) = 3 blocks when every block is kept; with the window (32 in --quick)
+  # the sliding layers hold 2 (block 0 is out of reach once 47 tokens are computed), the full layer 3.
+  assert gemma["flat_bytes_per_request"] == 6 * 3 * PAGE
+  assert gemma["hybrid_bytes_per_request"] == (3 + 5 * 2) * PAGE
+  assert gemma["measured_ratio"] == pytest.approx(18 / 13)
+  assert gemma["theoretical_ratio"] == pytest.approx(6 * 48 / (48 + 5 * 32))
+  # Both modes hold blocks for every layer in the budget's arrays: 64 blocks admit cdiv(64, 3) - 1 = 21 requests.
+  assert gemma["hybrid_max_concurrent"] == gemma["flat_max_concurrent"] == 21
+  assert gemma["flat_pooled_capacity"] == 64 * 6 * PAGE // (18 * PAGE)
+  # qwen3_next has no sliding layer: both modes keep every block (2 attention layers) plus the same GDN state.
+  assert qwen["measured_ratio"] == qwen["theoretical_ratio"] == 1.0
+  assert qwen["hybrid_bytes_per_request"] - 2 * 3 * PAGE == qwen["flat_bytes_per_request"] - 2 * 3 * PAGE > 0
+  assert "hybrid_decode" not in gemma and "flat_decode" not in qwen
+  if report["plot"].startswith("wrote"):
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  else:
+    assert report["plot"].startswith("--plot skipped: matplotlib is not installed") and not png.exists()
+
+
+@pytest.mark.slow
+def test_quick_run_decodes_at_the_concurrency_each_mode_admits(capsys):
+  benchmark = _load_benchmark()
+  assert benchmark.main(["--quick", "--json", "--configs", "gemma3", "--contexts", "40"]) == 0
+  (row,) = json.loads(capsys.readouterr().out)["results"]
+  for key in ("hybrid", "flat"):
+    assert row[f"{key}_decode"]["requests"] == min(row[f"{key}_max_concurrent"], 2)
+    assert row[f"{key}_decode"]["tokens_per_s"] > 0 and row[f"{key}_decode"]["recompilations"] == 0
+
+
+def test_table_has_one_line_per_case(capsys):
+  benchmark = _load_benchmark()
+  argv = ["--quick", "--configs", "qwen3_next", "--contexts", "40", "--throughput-max-context", "0"]
+  assert benchmark.main(argv) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[1].split()[:4] == ["config", "context", "hybrid_B/req", "flat_B/req"]
+  assert lines[3].split()[:2] == ["qwen3_next", "40"] and lines[3].split()[-1] == "-"
+
+
+@pytest.mark.parametrize("argv", [["--contexts", "0"], ["--contexts", "2", "--new-tokens", "4"], ["--configs", "x"]])
+def test_benchmark_rejects_bad_arguments(argv):
+  with pytest.raises(SystemExit) as exit_info:
+    _load_benchmark().main(argv)
+  assert exit_info.value.code == 2

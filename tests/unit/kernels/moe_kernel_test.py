@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from maxtext.kernels.experts import experts_dense
 from maxtext.kernels.moe import experts_ragged, experts_tiled, sort_by_expert, tile_rows
-from maxtext.layers.moe import experts_dense
 
 KERNELS = {"ragged": experts_ragged, "tiled": experts_tiled}
 

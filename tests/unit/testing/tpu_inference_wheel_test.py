@@ -1,7 +1,10 @@
 """Fetching, unpacking and loading the tpu-inference wheel as test material."""
 
+import fcntl
 import subprocess
 import sys
+import threading
+import time
 import zipfile
 
 import pytest
@@ -51,6 +54,26 @@ def test_the_download_asks_pip_for_the_wheel_only(monkeypatch, tmp_path):
       [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
       + ["tpu-inference==0.32.0", "-d", str(tmp_path)]
   ]
+
+
+def test_a_caller_that_waited_for_the_lock_reuses_what_the_holder_unpacked(monkeypatch, tmp_path):
+  def no_pip(cmd, **kwargs):
+    raise AssertionError(f"pip must not run: {cmd} {kwargs}")
+
+  monkeypatch.setattr(wheel_lib.subprocess, "run", no_pip)
+  results = []
+  with open(tmp_path / ".lock", "a", encoding="utf-8") as held:
+    fcntl.flock(held, fcntl.LOCK_EX)  # as a parallel test worker mid-download would
+    waiter = threading.Thread(target=lambda: results.append(wheel_lib.fetch_wheel_source(tmp_path)))
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive(), "the second caller must wait for the lock"
+    (tmp_path / "src" / wheel_lib.KV_CACHE_MANAGER).parent.mkdir(parents=True)
+    (tmp_path / "src" / wheel_lib.KV_CACHE_MANAGER).write_text("# unpacked by the holder\n")
+    fcntl.flock(held, fcntl.LOCK_UN)
+  waiter.join(timeout=30)
+  assert results == [tmp_path / "src"]
+  assert (tmp_path / "src" / wheel_lib.KV_CACHE_MANAGER).read_text() == "# unpacked by the holder\n"
 
 
 def test_references_load_without_leaving_tpu_inference_modules(tpu_inference_refs):

@@ -339,7 +339,8 @@ class Scheduler:
     finished = []
     for request, n in scheduler_output.scheduled:
       request.num_computed_tokens += n
-      self.kv_cache_manager.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+      if self.kv_cache_manager.enable_prefix_caching:  # register the blocks this step completed
+        self.kv_cache_manager.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
       if request.request_id not in expected:
         continue
       token = int(sampled_token_ids[request.request_id])

@@ -12,12 +12,12 @@ request itself; were it already scheduled in this call, its tokens would return 
 its blocks and state slot are freed, `num_computed_tokens` resets to 0 and it rejoins the waiting queue keeping
 its generated tokens, so it later recomputes prompt + outputs as one prefill and continues where it stopped.
 The oldest request is therefore never preempted for a newer one and always advances, so every request finishes.
+If a request cannot get blocks even with no other request holding any, it can never fit: `schedule()` raises.
 
 Prefix caching (`enable_prefix_caching=true`): a request being admitted starts from the longest cached prefix
 every KV-cache group holds (`KVCacheManager.find_prefix_hit`) and computes only the rest; with recurrent layers a
 step stops at the next state boundary (`schedulable_tokens`) so that the state there is checkpointed. The
 blocks a step completed are registered for later requests in `update_from_output`.
-If a request cannot get blocks even with no other request holding any, it can never fit: `schedule()` raises.
 
 Length rule: a prompt must be shorter than `max_target_length` (room for one generated token); generation stops
 at `max_tokens` generated tokens, at a stop token (or `eos_token_id`), or when prompt + output reaches

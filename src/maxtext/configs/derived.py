@@ -209,6 +209,14 @@ def validate(values: Mapping[str, Any]) -> None:
         values["max_num_batched_tokens"],
         f"must be >= max_num_seqs={values['max_num_seqs']} (every scheduled request needs a token)",
     )
+  mamba_block_size, block_size = values["mamba_block_size"], values["block_size"]
+  if mamba_block_size < 0 or mamba_block_size % block_size:
+    raise _fail(
+        "mamba_block_size",
+        mamba_block_size,
+        f"must be 0 (= block_size) or a positive multiple of block_size={block_size} (a recurrent state block ends"
+        " where an attention block ends)",
+    )
   _validate_axis_rules(values["logical_axis_rules"])
   if values["decode_sampling_nucleus_p"] > 1.0:
     raise _fail("decode_sampling_nucleus_p", values["decode_sampling_nucleus_p"], "must be <= 1")
@@ -227,6 +235,11 @@ def _validate_axis_rules(rules: Any) -> None:
     if entry[0] in seen:
       raise _fail("logical_axis_rules", shown, f"logical axis {entry[0]!r} has two rules; give one")
     seen.add(entry[0])
+
+
+def state_block_size(cfg: Any) -> int:
+  """Tokens per recurrent state block under prefix caching: `mamba_block_size`, or `block_size` when it is 0."""
+  return int(cfg.mamba_block_size) or int(cfg.block_size)
 
 
 def derive(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,9 +6,11 @@ Layout (upstream contract; R = max_num_reqs = max(max_num_seqs, 8), P_g = cdiv(m
   seq_lens         [R] int32          num_computed + num_scheduled (the KV length after the step); padding 0
   query_start_loc  [R + 1] int32      cumulative token counts; the tail repeats the total
   request_distribution [3] int32      [n_decode, n_decode, n_reqs] (decode = exactly one scheduled token)
-  mamba_state_indices [R] int32       the request's recurrent state slot; padding 0 (None without recurrent layers)
+  mamba_state_indices [R] int32       the request's recurrent state slot; padding 0 (None without recurrent layers,
+                                      and under prefix caching)
   block_tables     per group [R * P_g] int32, row-major per request; padding 0 (the recurrent group's are all 0:
-                   GDN ignores block tables)
+                   GDN ignores block tables; under prefix caching they hold the request's state blocks, one per
+                   mamba_block_size tokens, P = cdiv(max_target_length, mamba_block_size))
   logits_indices   [padded_num_reqs] int32  query_start_loc[i+1] - 1 for real requests; padding 0 (a valid row
                    whose logits are discarded)
 padded_T is the smallest power of two >= T, at least 16 and at most max_num_batched_tokens rounded up to a power
@@ -156,7 +158,9 @@ def build_batch(cfg: Any, scheduler_output: SchedulerOutput, kv_cache_manager: K
   tables = []
   for group in kv_cache_manager.groups:
     tables.append(np.zeros((rows, kv_cache_manager.max_blocks_per_req(group.group_id)), np.int32))
-  state_indices = np.zeros((rows,), np.int32) if kv_cache_manager.has_recurrent else None
+  # Under prefix caching the recurrent group's block table names state blocks instead (the align scheme).
+  compact_slots = kv_cache_manager.has_recurrent and not kv_cache_manager.uses_state_blocks
+  state_indices = np.zeros((rows,), np.int32) if compact_slots else None
 
   start = 0
   for i, (request, n) in enumerate(entries):
@@ -175,6 +179,11 @@ def build_batch(cfg: Any, scheduler_output: SchedulerOutput, kv_cache_manager: K
     for group in kv_cache_manager.groups:
       if group.kind == ATTENTION:
         table = kv_cache_manager.block_table(rid, group.group_id)
+        tables[group.group_id][i, : len(table)] = table
+      elif kv_cache_manager.uses_state_blocks:
+        table = kv_cache_manager.state_block_table(rid)
+        # The step reads the block of its last computed token: a restored state must be there.
+        assert computed == 0 or table[(computed - 1) // kv_cache_manager.mamba_block_size], (rid, computed, table)
         tables[group.group_id][i, : len(table)] = table
     if state_indices is not None:
       state_indices[i] = kv_cache_manager.get_state_slot(rid)

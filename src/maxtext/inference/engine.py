@@ -44,11 +44,21 @@ class EngineStats:
   preemptions: int = 0
   aborted_requests: int = 0
   wall_time_s: float = 0.0
+  prefix_cache_queries: int = 0
+  prefix_cache_hits: int = 0
+  cached_tokens_per_request: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def as_dict(self) -> dict[str, Any]:
-    """Plain dict, with generated tokens per second of wall time."""
+    """Plain dict, with generated tokens per second of wall time and the prefix-cache hit rate.
+
+    `prefix_cache_queries` / `prefix_cache_hits` count tokens looked up / found in the prefix cache at every
+    admission (re-admissions after a preemption too); `cached_tokens_per_request` maps each finished request to
+    the prompt tokens it skipped when first admitted. All are 0 / empty with `enable_prefix_caching=false`.
+    """
     out = dataclasses.asdict(self)
     out["generated_tokens_per_s"] = self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+    queries = self.prefix_cache_queries
+    out["prefix_cache_hit_rate"] = self.prefix_cache_hits / queries if queries else 0.0
     return out
 
 
@@ -61,6 +71,7 @@ class FinishedRequest:
   output_token_ids: tuple[int, ...]
   logprobs: tuple[TokenLogprobs, ...] | None
   finish_reason: str
+  num_cached_tokens: int = 0
 
 
 def _to_device(value: Any) -> Any:
@@ -177,12 +188,14 @@ class LLMEngine:
     self._aborted.append(self._finished(request))
 
   def _finished(self, r: Request) -> FinishedRequest:
+    self.stats.cached_tokens_per_request[r.request_id] = r.num_cached_tokens
     return FinishedRequest(
         request_id=r.request_id,
         prompt_token_ids=tuple(r.prompt_token_ids),
         output_token_ids=tuple(r.output_token_ids),
         logprobs=tuple(self._logprobs.pop(r.request_id)) if r.request_id in self._logprobs else None,
         finish_reason=r.finish_reason,
+        num_cached_tokens=r.num_cached_tokens,
     )
 
   def _zero_slots(self, slots: Sequence[int]) -> None:
@@ -228,6 +241,8 @@ class LLMEngine:
     self.stats.steps += 1
     self.stats.scheduled_tokens += out.num_scheduled_tokens
     self.stats.generated_tokens += len(sampled)
+    self.stats.prefix_cache_queries = self.scheduler.prefix_cache_queries
+    self.stats.prefix_cache_hits = self.scheduler.prefix_cache_hits
     self.stats.wall_time_s += time.perf_counter() - start
     return aborted + [self._finished(r) for r in finished]
 

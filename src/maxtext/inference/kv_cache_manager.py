@@ -17,6 +17,9 @@ Physical cache list (`cfg.kv_cache_layout`), one entry per layer that owns a cac
   - `shuffled`: the layer order permuted by `numpy.random.default_rng(cfg.seed).permutation`.
   `layer_name_to_kvcache_index` names the entry of EVERY layer; KV-shared layers point at their source's entry.
 
+Prefix caching (`enable_prefix_caching=true`): cached blocks, the align scheme of recurrent states and the hit
+rule are described in `prefix_cache.py` and docs/architecture.md.
+
 Sliding-window freeing: a query at position q attends keys k with q - W < k <= q (W = window, self included).
 Queries only move forward, so once a step starts at `num_computed_tokens = c`, no query of this or any later
 step reads keys below `c - W + 1`: the first `(c - W + 1) // block_size` blocks are returned to the pool and
@@ -27,16 +30,19 @@ blocks, so freed blocks are never needed again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from maxtext.configs.derived import KV_CACHE_LAYOUTS
+from maxtext.configs.derived import KV_CACHE_LAYOUTS, state_block_size
 from maxtext.configs.layer_kinds import ATTENTION_CACHE, RECURRENT_CACHE, get_layer_kind
 from maxtext.inference.block_pool import NULL_BLOCK, BlockPool
+from maxtext.inference import prefix_cache
+from maxtext.inference.prefix_cache import PrefixHit, extend_block_hashes
 from maxtext.inference.state_slots import StateSlotPool
 from maxtext.integration.vllm import hybrid_cache_utils
 
@@ -138,7 +144,8 @@ class KVCacheManager:
     specs: "layer.<i>" -> attention or recurrent spec, for every layer that owns a cache.
     shared_layers: "layer.<i>" (KV-shared) -> "layer.<source>" (an attention layer in `specs`).
     num_state_slots: rows M of every recurrent state array, including the null slot 0; default
-      `max_num_reqs(cfg) + 1` (one slot per request the runner can hold, as upstream's compact mode).
+      `max_num_reqs(cfg) + 1` (one slot per request the runner can hold, as upstream's compact mode), or
+      `num_kv_blocks` state blocks under prefix caching (as upstream's align mode sizes them).
 
   Raises:
     ValueError: layer names do not cover `layer.0 .. layer.<L-1>` exactly once, a spec disagrees with
@@ -168,14 +175,24 @@ class KVCacheManager:
     self.layer_name_to_kvcache_index: tuple[tuple[str, int], ...] = tuple(slots)
 
     self.has_recurrent = any(kind == RECURRENT for kind in self._kinds.values())
+    self.enable_prefix_caching = bool(cfg.enable_prefix_caching)
+    self.mamba_block_size = state_block_size(cfg)
+    # Under prefix caching recurrent layers address state blocks through a block table (the align scheme).
+    self.uses_state_blocks = self.enable_prefix_caching and self.has_recurrent
     if num_state_slots is None:
-      num_state_slots = max_num_reqs(cfg) + 1
+      num_state_slots = self.num_blocks if self.uses_state_blocks else max_num_reqs(cfg) + 1
     self.num_state_slots = num_state_slots
-    self._slot_pool = StateSlotPool(num_state_slots) if self.has_recurrent else None
+    self._slot_pool = StateSlotPool(num_state_slots) if self.has_recurrent and not self.uses_state_blocks else None
     self._pools = {g.group_id: BlockPool(self.num_blocks, name=g.describe()) for g in self.groups if g.kind == ATTENTION}
     self._tables: dict[str, dict[int, list[int]]] = {}
     self._num_allocated_tokens: dict[str, int] = {}
     self._state_slots: dict[str, int] = {}
+    self.hash_block_size = self._hash_block_size()
+    recurrent_name = next((f"{g.describe()} state blocks" for g in self.groups if g.kind == RECURRENT), "")
+    self._state_pool = BlockPool(num_state_slots, name=recurrent_name) if self.uses_state_blocks else None
+    self._state_tables: dict[str, list[int]] = {}  # request -> state block per mamba_block_size tokens (0: none)
+    self._hashes: dict[str, list[bytes]] = {}  # request -> chained hashes of its full hash blocks
+    self._num_registered: dict[str, dict[int, int]] = {}  # request -> group -> leading blocks registered
     logger.info(
         "KV-cache groups: %s; physical order (%s): %s",
         "; ".join(f"{g.describe()}: {', '.join(g.layer_names)}" for g in self.groups),
@@ -184,6 +201,24 @@ class KVCacheManager:
     )
 
   # ------------------------------------------------------------------ construction
+  def _hash_block_size(self) -> int:
+    """Tokens per hashed block: the attention block size (all attention groups must share it under prefix
+    caching), else `mamba_block_size`; a state block must then end where a hashed block ends."""
+    sizes = sorted({g.block_size for g in self.groups if g.kind == ATTENTION})
+    if not self.enable_prefix_caching:
+      return sizes[0] if sizes else self.mamba_block_size
+    if len(sizes) > 1:
+      raise ValueError(
+          f"enable_prefix_caching=true hashes blocks of one size, but the attention groups have block sizes {sizes}"
+      )
+    size = sizes[0] if sizes else self.mamba_block_size
+    if self.has_recurrent and (self.mamba_block_size < 1 or self.mamba_block_size % size):
+      raise ValueError(
+          f"mamba_block_size={self.mamba_block_size}: must be a positive multiple of the attention block size {size}"
+          " under enable_prefix_caching=true"
+      )
+    return size
+
   def _validate_layers(self, cfg: Any) -> dict[str, str]:
     """Checks the names against the config; returns the kind of every layer that owns a cache."""
     layer_types = tuple(cfg.layer_types)
@@ -284,9 +319,13 @@ class KVCacheManager:
     return self._group_of_layer[layer_name]
 
   def max_blocks_per_req(self, group_id: int) -> int:
-    """Columns of a group's block table: `cdiv(max_target_length, block_size)` (cfg.block_size for recurrent)."""
+    """Columns of a group's block table: `cdiv(max_target_length, block_size)`; for the recurrent group
+    `mamba_block_size` under prefix caching (state blocks), else cfg.block_size (an all-zero table)."""
     group = self._group(group_id)
-    block_size = group.block_size if group.block_size is not None else int(self.cfg.block_size)
+    if group.block_size is not None:
+      block_size = group.block_size
+    else:
+      block_size = self.mamba_block_size if self.uses_state_blocks else int(self.cfg.block_size)
     return cdiv(self.max_target_length, block_size)
 
   def describe_slots(self, num_blocks: int | None = None) -> tuple[CacheSlot, ...]:
@@ -369,24 +408,30 @@ class KVCacheManager:
     return num_blocks
 
   # ------------------------------------------------------------------ per-request allocation
-  def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> bool:
-    """Makes room for `num_new_tokens` more tokens of a request, in every attention group, all or nothing.
+  def allocate_slots(
+      self, request_id: str, num_computed_tokens: int, num_new_tokens: int, prefix_hit: PrefixHit | None = None
+  ) -> bool:
+    """Makes room for `num_new_tokens` more tokens of a request, in every group, all or nothing.
 
     After a True return each attention group's block table covers `cdiv(num_computed + num_new, block_size)`
-    logical blocks, and the request holds a state slot when the model has recurrent layers (taken here on the
-    request's first allocation). Sliding-window groups (hybrid_kv_cache=True) first return the blocks no query of
-    this or a later step can read (see the module docstring); that happens even when the call then returns False.
+    logical blocks, and the request holds a state slot (or, under prefix caching, a state block for the block of
+    its last new token) when the model has recurrent layers. Sliding-window groups (hybrid_kv_cache=True) first
+    return the blocks no query of this or a later step can read (see the module docstring), and the recurrent
+    group the state blocks before the one this step reads; that happens even when the call then returns False.
 
     Args:
       request_id: the request.
-      num_computed_tokens: tokens whose K/V are already in the cache (0 for a request not yet holding blocks).
+      num_computed_tokens: tokens whose K/V are already in the cache (0 for a request not yet holding blocks, or
+        `prefix_hit.num_tokens`).
       num_new_tokens: tokens computed in this step (>= 1).
+      prefix_hit: for a request not yet holding blocks, the cached prefix it starts from (`find_prefix_hit`).
 
     Returns:
       False (nothing allocated) when some group lacks free blocks or no state slot is free.
 
     Raises:
-      ValueError: bad token counts, or `num_computed + num_new > max_target_length`.
+      ValueError: bad token counts, `num_computed + num_new > max_target_length`, or a prefix hit for a request
+        that already holds blocks or that disagrees with `num_computed_tokens`.
     """
     if num_computed_tokens < 0 or num_new_tokens < 1:
       raise ValueError(
@@ -400,7 +445,20 @@ class KVCacheManager:
           " tables have no room for them)"
       )
     known = request_id in self._tables
-    allocated = self._num_allocated_tokens.get(request_id, 0)
+    if prefix_hit is not None:
+      if known or not self.enable_prefix_caching:
+        raise ValueError(
+            f"request {request_id!r}: a prefix hit applies to a request holding no blocks with"
+            f" enable_prefix_caching=true (holds blocks: {known}, enable_prefix_caching={self.enable_prefix_caching})"
+        )
+      if num_computed_tokens != prefix_hit.num_tokens:
+        raise ValueError(
+            f"request {request_id!r}: num_computed_tokens={num_computed_tokens} must equal the prefix hit's"
+            f" {prefix_hit.num_tokens} tokens"
+        )
+      allocated = prefix_hit.num_tokens
+    else:
+      allocated = self._num_allocated_tokens.get(request_id, 0)
     if num_computed_tokens > allocated:
       raise ValueError(
           f"request {request_id!r}: num_computed_tokens={num_computed_tokens} but blocks exist only for"
@@ -408,44 +466,173 @@ class KVCacheManager:
       )
     if known:
       self._free_out_of_window(request_id, num_computed_tokens)
-    tables = self._tables.get(request_id, {gid: [] for gid in self._pools})
+      self._free_stale_states(request_id, num_computed_tokens)
+      tables = self._tables[request_id]
+    else:
+      tables = {gid: list(prefix_hit.blocks[gid]) if prefix_hit else [] for gid in self._pools}
     needed = {gid: max(0, cdiv(total, self.groups[gid].block_size) - len(tables[gid])) for gid in self._pools}
+    # The cached blocks a hit takes back (the free ones among them count against the free blocks).
+    taken = {gid: [b for b in tables[gid] if b != NULL_BLOCK] if prefix_hit else [] for gid in self._pools}
+    state_taken = [prefix_hit.state_block] if prefix_hit is not None and prefix_hit.state_block is not None else []
     for gid, n in needed.items():
-      if n > self._pools[gid].num_free:
+      pool = self._pools[gid]
+      reviving = sum(1 for b in taken[gid] if pool.refcount(b) == 0)
+      if n + reviving > pool.num_free:
         logger.debug(
-            "request %s: %s has %d free blocks, needs %d",
-            request_id,
-            self.groups[gid].describe(),
-            self._pools[gid].num_free,
-            n,
+            "request %s: %s has %d free blocks, needs %d", request_id, self.groups[gid].describe(), pool.num_free, n
         )
+        return False
+    state_table, write_col = None, -1
+    if self.uses_state_blocks:
+      state_table = self._state_tables.get(request_id)
+      if state_table is None:
+        state_table = []
+        if prefix_hit is not None and prefix_hit.state_block is not None:
+          state_table = [NULL_BLOCK] * (prefix_hit.num_tokens // self.mamba_block_size - 1) + [prefix_hit.state_block]
+      write_col = (total - 1) // self.mamba_block_size
+      needs_state = write_col >= len(state_table) or state_table[write_col] == NULL_BLOCK
+      reviving = sum(1 for b in state_taken if self._state_pool.refcount(b) == 0)
+      if int(needs_state) + reviving > self._state_pool.num_free:
+        logger.debug("request %s: no free state block", request_id)
         return False
     needs_slot = self._slot_pool is not None and request_id not in self._state_slots
     if needs_slot and self._slot_pool.num_free == 0:
       logger.debug("request %s: no free state slot", request_id)
       return False
+    for gid, blocks in taken.items():
+      self._pools[gid].take(blocks)
     for gid, n in needed.items():
       tables[gid].extend(self._pools[gid].allocate(n))
+    if state_table is not None:
+      self._state_pool.take(state_taken)
+      state_table.extend([NULL_BLOCK] * (write_col + 1 - len(state_table)))
+      if state_table[write_col] == NULL_BLOCK:
+        state_table[write_col] = self._state_pool.allocate(1)[0]
+      self._state_tables[request_id] = state_table
     if needs_slot:
       self._state_slots[request_id] = self._slot_pool.acquire()
+    if not known and self.enable_prefix_caching:  # a hit's blocks are registered already
+      hit_tokens = prefix_hit.num_tokens if prefix_hit is not None else 0
+      self._num_registered[request_id] = {gid: hit_tokens // self.groups[gid].block_size for gid in tables}
     self._tables[request_id] = tables
     self._num_allocated_tokens[request_id] = max(allocated, total)
     return True
+
+  def schedulable_tokens(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+    """How many of `num_new_tokens` a step may compute: under the align scheme a step stops at the next state
+    boundary (a multiple of `mamba_block_size`), so the state there is really written; otherwise all of them."""
+    if not self.uses_state_blocks:
+      return num_new_tokens
+    next_boundary = (num_computed_tokens // self.mamba_block_size + 1) * self.mamba_block_size
+    return min(num_new_tokens, next_boundary - num_computed_tokens)
+
+  def find_prefix_hit(self, token_ids: Sequence[int]) -> PrefixHit:
+    """The longest cached prefix of `token_ids` every group hits (a miss has `num_tokens == 0`).
+
+    At most `len(token_ids) - 1` tokens (the last one must be computed to sample). The length starts at that
+    limit in whole hashed blocks and is lowered to what each group holds, group after group, until no group
+    lowers it: a full-attention group holds the longest run of cached leading blocks; a sliding-window group a
+    resume point whose window blocks are all cached; the recurrent group a state boundary whose state block is
+    cached. So the hit is the largest length at which EVERY group hits, on a state boundary.
+
+    Raises:
+      ValueError: prefix caching is off.
+    """
+    if not self.enable_prefix_caching:
+      raise ValueError("find_prefix_hit needs enable_prefix_caching=true")
+    size = self.hash_block_size
+    hashes = extend_block_hashes([], token_ids, size)
+    hits = [functools.partial(self._group_hit, group, hashes) for group in self.groups]
+    limit = prefix_cache.common_hit(hits, max(0, len(token_ids) - 1) // size)
+    blocks = {}
+    for gid, pool in self._pools.items():
+      group = self.groups[gid]
+      count = limit * size // group.block_size
+      first = prefix_cache.first_window_block(count * group.block_size, group.block_size, group.sliding_window)
+      blocks[gid] = tuple(NULL_BLOCK if j < first else pool.lookup(hashes[j]) for j in range(count))
+    state_block = None
+    if self.uses_state_blocks and limit:
+      state_block = self._state_pool.lookup(hashes[limit - 1])
+    return PrefixHit(limit * size, blocks, state_block)
+
+  def group_prefix_hits(self, token_ids: Sequence[int]) -> dict[int, int]:
+    """Group id -> tokens of the longest prefix of `token_ids` that group alone holds cached (at most
+    `len(token_ids) - 1`); `find_prefix_hit` takes the largest length all groups agree on. For diagnostics.
+
+    Raises:
+      ValueError: prefix caching is off.
+    """
+    if not self.enable_prefix_caching:
+      raise ValueError("group_prefix_hits needs enable_prefix_caching=true")
+    hashes = extend_block_hashes([], token_ids, self.hash_block_size)
+    limit = max(0, len(token_ids) - 1) // self.hash_block_size
+    return {g.group_id: self._group_hit(g, hashes, limit) * self.hash_block_size for g in self.groups}
+
+  def _group_hit(self, group: KVCacheGroup, hashes: Sequence[bytes], limit: int) -> int:
+    """The largest prefix of at most `limit` hashed blocks this group holds cached (see `find_prefix_hit`)."""
+    if group.kind == RECURRENT:
+      return prefix_cache.state_hit(self._state_pool.lookup, hashes, limit, self.mamba_block_size // self.hash_block_size)
+    lookup = self._pools[group.group_id].lookup
+    return prefix_cache.attention_hit(lookup, hashes, limit, group.block_size, group.sliding_window)
+
+  def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    """Registers the request's blocks completed by `num_computed_tokens` (their K/V or state written) under the
+    hashes of `token_ids`, so later requests can find them. A no-op without prefix caching.
+
+    Call it after the step that computed them (the scheduler does, in `update_from_output`).
+
+    Raises:
+      ValueError: the request holds no blocks, or fewer tokens than computed are given.
+    """
+    if not self.enable_prefix_caching:
+      return
+    tables = self._request_tables(request_id)
+    if len(token_ids) < num_computed_tokens:
+      raise ValueError(
+          f"request {request_id!r}: {len(token_ids)} token ids given for {num_computed_tokens} computed tokens"
+      )
+    hashes = extend_block_hashes(
+        self._hashes.setdefault(request_id, []), token_ids[:num_computed_tokens], self.hash_block_size
+    )
+    registered = self._num_registered[request_id]
+    for gid, table in tables.items():
+      full = min(num_computed_tokens // self.groups[gid].block_size, len(table))
+      for j in range(registered[gid], full):
+        if table[j] != NULL_BLOCK:
+          self._pools[gid].cache_block(table[j], hashes[j])
+      registered[gid] = max(registered[gid], full)
+    if self.uses_state_blocks and num_computed_tokens and num_computed_tokens % self.mamba_block_size == 0:
+      table = self._state_tables[request_id]
+      col = num_computed_tokens // self.mamba_block_size - 1
+      if col < len(table) and table[col] != NULL_BLOCK:
+        self._state_pool.cache_block(table[col], hashes[num_computed_tokens // self.hash_block_size - 1])
+
+  def _free_stale_states(self, request_id: str, num_computed_tokens: int) -> None:
+    """Returns the state blocks before the one a step starting at `num_computed_tokens` reads."""
+    table = self._state_tables.get(request_id)
+    if table is None:
+      return
+    read_col = max(num_computed_tokens - 1, 0) // self.mamba_block_size
+    stale = [b for b in table[:read_col] if b != NULL_BLOCK]
+    if stale:
+      self._state_pool.free(stale)
+      table[:read_col] = [NULL_BLOCK] * read_col
 
   def _free_out_of_window(self, request_id: str, num_computed_tokens: int) -> None:
     for gid, table in self._tables[request_id].items():
       group = self.groups[gid]
       if not group.sliding_window:
         continue
-      first_needed_key = num_computed_tokens - group.sliding_window + 1
-      num_dead = min(max(0, first_needed_key // group.block_size), len(table))
+      first = prefix_cache.first_window_block(num_computed_tokens, group.block_size, group.sliding_window)
+      num_dead = min(first, len(table))
       dead = [b for b in table[:num_dead] if b != NULL_BLOCK]
       if dead:
         self._pools[gid].free(dead)
         table[:num_dead] = [NULL_BLOCK] * num_dead
 
   def free(self, request_id: str) -> None:
-    """Returns every block of the request in every group, and its state slot (recorded for zeroing).
+    """Returns every block of the request in every group, and its state slot (recorded for zeroing) or state
+    blocks. Blocks are freed last first, so cached prefix blocks are evicted after the blocks that follow them.
 
     Raises:
       ValueError: the request holds nothing (never allocated, or already freed).
@@ -453,10 +640,14 @@ class KVCacheManager:
     if request_id not in self._tables:
       raise ValueError(f"request {request_id!r} holds no blocks (never allocated, or already freed)")
     for gid, table in self._tables.pop(request_id).items():
-      self._pools[gid].free([b for b in table if b != NULL_BLOCK])
+      self._pools[gid].free([b for b in reversed(table) if b != NULL_BLOCK])
     del self._num_allocated_tokens[request_id]
     if request_id in self._state_slots:
       self._slot_pool.release(self._state_slots.pop(request_id))
+    if request_id in self._state_tables:
+      self._state_pool.free([b for b in reversed(self._state_tables.pop(request_id)) if b != NULL_BLOCK])
+    self._hashes.pop(request_id, None)
+    self._num_registered.pop(request_id, None)
 
   def has_request(self, request_id: str) -> bool:
     """Whether the request holds blocks / a state slot."""
@@ -476,10 +667,31 @@ class KVCacheManager:
       ValueError: the model has no recurrent layers, or the request holds no slot.
     """
     if self._slot_pool is None:
+      if self.uses_state_blocks:
+        raise ValueError("under prefix caching recurrent layers use state blocks; see state_block_table")
       raise ValueError("the model has no recurrent layers, so requests hold no state slots")
     if request_id not in self._state_slots:
       raise ValueError(f"request {request_id!r} holds no state slot (never allocated, or already freed)")
     return self._state_slots[request_id]
+
+  def state_block_table(self, request_id: str) -> list[int]:
+    """A copy of the request's state-block table under prefix caching (0 = no state block in that column).
+
+    Raises:
+      ValueError: prefix caching is off or the model has no recurrent layers, or the request holds no blocks.
+    """
+    if not self.uses_state_blocks:
+      raise ValueError("state block tables exist only with recurrent layers and enable_prefix_caching=true")
+    self._request_tables(request_id)
+    return list(self._state_tables[request_id])
+
+  def prefix_cache_counts(self) -> dict[str, int]:
+    """Cached blocks (in use or free) and evictions so far, over every attention group and the state blocks."""
+    pools = list(self._pools.values()) + ([self._state_pool] if self._state_pool is not None else [])
+    return {
+        "cached_blocks": sum(p.num_cached for p in pools),
+        "evictions": sum(p.num_evictions for p in pools),
+    }
 
   def drain_slots_to_zero(self) -> list[int]:
     """State slots released since the last call; the engine zeroes these rows of every recurrent cache."""
@@ -493,7 +705,9 @@ class KVCacheManager:
     return self._pools[group_id].num_free
 
   def num_free_state_slots(self) -> int:
-    """Free state slots (0 when the model has no recurrent layers)."""
+    """Free state slots, or state blocks under prefix caching (0 when the model has no recurrent layers)."""
+    if self._state_pool is not None:
+      return self._state_pool.num_free
     return 0 if self._slot_pool is None else self._slot_pool.num_free
 
   def check_request_fits(self, request_id: str, num_tokens: int) -> None:
@@ -514,16 +728,19 @@ class KVCacheManager:
         )
 
   def all_free(self) -> bool:
-    """Leak check: no request holds anything and every block and state slot is free."""
+    """Leak check: no request holds anything and every block, state slot and state block is free (cached blocks
+    no request holds count as free: they are evicted on demand)."""
     slots_free = self._slot_pool is None or self._slot_pool.num_used == 0
-    return not self._tables and slots_free and all(p.num_used == 0 for p in self._pools.values())
+    states_free = self._state_pool is None or (self._state_pool.num_used == 0 and not self._state_tables)
+    return not self._tables and slots_free and states_free and all(p.num_used == 0 for p in self._pools.values())
 
   def check_consistency(self, live_request_ids: Collection[str]) -> None:
     """Checks the allocation bookkeeping against the requests that should hold caches (a debugging aid).
 
     Holds when: exactly `live_request_ids` hold tables; every block a table names has a reference count equal to
-    the number of table entries naming it, and every other block is free; no state slot is held by two requests,
-    and the slot pool's used slots are exactly the requests' slots.
+    the number of table entries naming it, and every other block is free (or free and cached); the same for the
+    state blocks of prefix caching; no state slot is held by two requests, and the slot pool's used slots are
+    exactly the requests' slots.
 
     Raises:
       AssertionError: naming the first broken invariant (a leak, a double reference or a shared slot).
@@ -545,12 +762,31 @@ class KVCacheManager:
               f"{self.groups[gid].describe()}: block {block} has reference count {pool.refcount(block)} but"
               f" {counts.get(block, 0)} block-table entries"
           )
+    self._check_state_blocks(holders)
     slots = list(self._state_slots.values())
     if len(set(slots)) != len(slots):
       raise AssertionError(f"a state slot is held by two requests: {self._state_slots}")
     used = 0 if self._slot_pool is None else self._slot_pool.num_used
     if used != len(slots) or (self._slot_pool is not None and set(self._state_slots) != holders):
       raise AssertionError(f"{used} state slots are in use but requests hold {sorted(slots)}")
+
+  def _check_state_blocks(self, holders: set[str]) -> None:
+    """Under prefix caching: state tables only for holders, reference counts equal to table entries."""
+    if self._state_pool is None:
+      return
+    if set(self._state_tables) != holders:
+      raise AssertionError(f"requests with state tables {sorted(self._state_tables)} differ from {sorted(holders)}")
+    counts: dict[int, int] = {}
+    for table in self._state_tables.values():
+      for block in table:
+        if block != NULL_BLOCK:
+          counts[block] = counts.get(block, 0) + 1
+    for block in range(1, self._state_pool.num_blocks):
+      if self._state_pool.refcount(block) != counts.get(block, 0):
+        raise AssertionError(
+            f"{self._state_pool.name}: state block {block} has reference count {self._state_pool.refcount(block)}"
+            f" but {counts.get(block, 0)} state-table entries"
+        )
 
   def _request_tables(self, request_id: str) -> dict[int, list[int]]:
     if request_id not in self._tables:

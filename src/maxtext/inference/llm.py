@@ -41,6 +41,7 @@ class RequestOutput:
   prompt: str | None
   prompt_token_ids: tuple[int, ...]
   outputs: tuple[CompletionOutput, ...]
+  num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (enable_prefix_caching)
 
 
 class LLM:
@@ -199,7 +200,9 @@ class LLM:
         logprobs=finished.logprobs,
         finish_reason=finished.finish_reason,
     )
-    return RequestOutput(finished.request_id, prompt, finished.prompt_token_ids, (completion,))
+    return RequestOutput(
+        finished.request_id, prompt, finished.prompt_token_ids, (completion,), finished.num_cached_tokens
+    )
 
 
 def _report_tokens(

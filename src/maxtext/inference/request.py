@@ -37,6 +37,8 @@ class Request:
     arrival_index: order of `Scheduler.add_request` calls (FCFS and "newest" for preemption); -1 until added.
     finish_reason: "length", "stop" or "abort" once finished.
     num_preemptions: how many times the request was preempted.
+    num_cached_tokens: prompt tokens served from the prefix cache when the request was first admitted (vLLM's
+      `num_cached_tokens`; 0 without prefix caching).
   """
 
   request_id: str
@@ -48,6 +50,7 @@ class Request:
   arrival_index: int = -1
   finish_reason: str | None = None
   num_preemptions: int = 0
+  num_cached_tokens: int = 0
 
   def __post_init__(self):
     self.prompt_token_ids = tuple(self.prompt_token_ids)

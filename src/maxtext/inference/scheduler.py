@@ -14,6 +14,11 @@ its generated tokens, so it later recomputes prompt + outputs as one prefill and
 The oldest request is therefore never preempted for a newer one and always advances, so every request finishes.
 If a request cannot get blocks even with no other request holding any, it can never fit: `schedule()` raises.
 
+Prefix caching (`enable_prefix_caching=true`): a request being admitted starts from the longest cached prefix
+every KV-cache group holds (`KVCacheManager.find_prefix_hit`) and computes only the rest; with recurrent layers a
+step stops at the next state boundary (`schedulable_tokens`) so that the state there is checkpointed. The
+blocks a step completed are registered for later requests in `update_from_output`.
+
 Length rule: a prompt must be shorter than `max_target_length` (room for one generated token); generation stops
 at `max_tokens` generated tokens, at a stop token (or `eos_token_id`), or when prompt + output reaches
 `max_target_length` (finish reason "length").
@@ -110,6 +115,9 @@ class Scheduler:
     self.running: list[Request] = []  # sorted by arrival index
     self._next_arrival = 0
     self._active_ids: set[str] = set()
+    # Prefix caching: tokens looked up and tokens found, over every admission (re-admissions after preemption too).
+    self.prefix_cache_queries = 0
+    self.prefix_cache_hits = 0
 
   # ------------------------------------------------------------------ requests
   def add_request(self, request: Request) -> None:
@@ -189,7 +197,7 @@ class Scheduler:
       # Each admission costs budget and admission stops when it runs out, so there are never more running
       # requests than budget tokens, and decodes (1 token each) lead: every running request gets a token.
       assert budget > 0, "more running requests than max_num_batched_tokens"
-      n = min(request.num_remaining_tokens, budget)
+      n = self.kv_cache_manager.schedulable_tokens(request.num_computed_tokens, min(request.num_remaining_tokens, budget))
       while not self.kv_cache_manager.allocate_slots(request.request_id, request.num_computed_tokens, n):
         victim = self.running[-1]
         if victim is request and len(self.running) == 1:
@@ -206,11 +214,17 @@ class Scheduler:
 
     while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
       request = self.waiting[0]
-      n = min(request.num_remaining_tokens, budget)
-      if not self.kv_cache_manager.allocate_slots(request.request_id, 0, n):
+      hit = None
+      if self.kv_cache_manager.enable_prefix_caching:
+        hit = self.kv_cache_manager.find_prefix_hit(request.all_token_ids)
+      computed = hit.num_tokens if hit is not None else 0
+      n = self.kv_cache_manager.schedulable_tokens(computed, min(request.num_tokens - computed, budget))
+      if not self.kv_cache_manager.allocate_slots(request.request_id, computed, n, hit if computed else None):
         if not self.running:
           raise self._never_fits(request, n)
         break
+      if hit is not None:
+        self._record_prefix_hit(request, computed)
       self.waiting.pop(0)
       request.status = RequestStatus.RUNNING
       bisect.insort(self.running, request, key=_arrival)
@@ -229,6 +243,17 @@ class Scheduler:
         preempted_request_ids=tuple(preempted),
         slots_to_zero=tuple(self.kv_cache_manager.drain_slots_to_zero()),
     )
+
+  def _record_prefix_hit(self, request: Request, num_cached_tokens: int) -> None:
+    request.num_computed_tokens = num_cached_tokens
+    if request.num_preemptions == 0:
+      request.num_cached_tokens = num_cached_tokens
+    self.prefix_cache_queries += request.num_tokens
+    self.prefix_cache_hits += num_cached_tokens
+    if num_cached_tokens:
+      logger.debug(
+          "request %s: %d of %d tokens from the prefix cache", request.request_id, num_cached_tokens, request.num_tokens
+      )
 
   def _preempt(self, request: Request) -> None:
     self.running.remove(request)
@@ -314,6 +339,8 @@ class Scheduler:
     finished = []
     for request, n in scheduler_output.scheduled:
       request.num_computed_tokens += n
+      if self.kv_cache_manager.enable_prefix_caching:  # register the blocks this step completed
+        self.kv_cache_manager.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
       if request.request_id not in expected:
         continue
       token = int(sampled_token_ids[request.request_id])

@@ -12,6 +12,8 @@ from typing import Any, NoReturn
 
 import jax
 
+from maxtext.kernels import ragged_batch
+
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class AttentionMetadata:
@@ -24,7 +26,9 @@ class AttentionMetadata:
     seq_lens: `[max_num_reqs]` KV length per request after this step; 0 for padded requests.
     query_start_loc: `[max_num_reqs + 1]` cumulative new-token counts; the tail repeats the total.
     request_distribution: `[3]` `(num_decode, num_decode, num_reqs)`; decodes come first.
-    mamba_state_indices: `[max_num_reqs]` recurrent state slot per request, or None without recurrent layers.
+    mamba_state_indices: `[max_num_reqs]` recurrent state slot per request, or None without recurrent layers and
+      under prefix caching's "align" scheme (the recurrent group's block table names the state blocks; see
+      `recurrent_state_indices`).
     padded_num_reqs: static bucketed request count (a jit cache key).
   """
 
@@ -220,4 +224,45 @@ def metadata_for_layer(
   raise TypeError(
       f"attention_metadata must be an AttentionMetadata or a {{layer_name: AttentionMetadata}} mapping; "
       f"got {type(attention_metadata).__name__}"
+  )
+
+
+def recurrent_state_indices(
+    md: AttentionMetadata, mamba_block_size: int | None, num_slots: int, where: str
+) -> tuple[jax.Array | None, jax.Array]:
+  """The state slots a recurrent layer reads its initial state from and writes its final state to.
+
+  Two runner schemes, as tpu-inference has them:
+    - compact (no prefix caching): `md.mamba_state_indices` names one slot per request, read and written; the
+      read indices are returned as None (the kernels then read where they write);
+    - align (prefix caching, `mamba_state_indices` is None): the recurrent group's `md.block_tables` names one
+      state block per `mamba_block_size` tokens; read = the block of the last computed token, write = the block
+      of the last new token (`ragged_batch.align_state_indices`).
+
+  Args:
+    md: the recurrent group's metadata.
+    mamba_block_size: tokens per state block (needed by the align scheme only).
+    num_slots: rows of the layer's state arrays.
+    where: the layer, for messages (e.g. "layer.0 (linear_attention)").
+
+  Returns:
+    `(read_state_indices [S] or None, write_state_indices [S])`.
+
+  Raises:
+    ValueError: neither `mamba_state_indices` nor block tables are given, or the align scheme has no block size.
+  """
+  if md.mamba_state_indices is not None:
+    return None, md.mamba_state_indices
+  if md.block_tables is None:
+    raise ValueError(
+        f"{where}: a recurrent layer needs attention_metadata.mamba_state_indices (compact state slots) or, under"
+        " prefix caching, the recurrent group's block_tables (state blocks); got neither"
+    )
+  if not mamba_block_size or mamba_block_size < 1:
+    raise ValueError(
+        f"{where}: the state blocks of the block table need mamba_block_size >= 1 (tokens per state block); got"
+        f" {mamba_block_size!r}"
+    )
+  return ragged_batch.align_state_indices(
+      md.block_tables, md.seq_lens, md.query_start_loc, md.request_distribution, int(mamba_block_size), num_slots
   )

@@ -114,6 +114,7 @@ class KernelBackend(abc.ABC):
       d_k: int,
       d_v: int,
       kernel_size: int,
+      read_state_indices: jax.Array | None = None,
   ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """Gated DeltaNet over a ragged batch, each request continuing from its state slot.
 
@@ -125,11 +126,13 @@ class KernelBackend(abc.ABC):
       conv_weight: `[C, 1, K]` depthwise conv weight (the runner's layout).
       conv_bias: `[C]` or None.
       A_log, dt_bias: `[nv]`.
-      state_indices: `[S]` state slot of each request (0: the null slot).
+      state_indices: `[S]` state slot each request writes its final state to (0: the null slot).
       query_start_loc: `[S + 1]`.
       distribution: `[3]`.
-      seq_lens: `[S]` (a request has an initial state iff `seq_len > q_len`).
+      seq_lens: `[S]` (a request has an initial state iff `seq_len > q_len` and its read slot is not 0).
       n_kq, n_v, d_k, d_v, kernel_size: head counts and sizes.
+      read_state_indices: `[S]` slot each request reads its initial state from (None: `state_indices`), as
+        tpu-inference 0.32.0's `run_jax_gdn_attention` takes it (prefix caching's "align" scheme).
 
     Returns:
       `((conv_state, recurrent_state), out [T, nv * dv])`.
@@ -220,10 +223,11 @@ class ReferenceBackend(KernelBackend):
       d_k,
       d_v,
       kernel_size,
+      read_state_indices=None,
   ):
     if conv_weight.shape[-1] != kernel_size:
       raise ValueError(f"gdn_attention: conv_weight {conv_weight.shape} must be [C, 1, kernel_size={kernel_size}]")
-    args = (state_indices, query_start_loc, seq_lens, distribution)
+    args = (state_indices, query_start_loc, seq_lens, distribution, read_state_indices)
     conv_out, conv_state = ragged_conv1d(mixed_qkv, conv_state, conv_weight, conv_bias, *args)
     t = conv_out.shape[0]
     nkk = n_kq * d_k

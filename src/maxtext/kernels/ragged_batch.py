@@ -11,6 +11,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+NULL_STATE_SLOT = 0  # the null slot: padded requests point at it; reading it means "no state restored"
+
 
 class TokenLayout(NamedTuple):
   """Per-token and per-request views of a ragged batch (all int32 / bool arrays).
@@ -84,25 +86,91 @@ def token_layout(num_tokens: int, query_start_loc: jax.Array, distribution: jax.
 
 
 def check_state_metadata(
-    state_indices: jax.Array, query_start_loc: jax.Array, seq_lens: jax.Array, distribution: jax.Array, where: str
+    state_indices: jax.Array,
+    query_start_loc: jax.Array,
+    seq_lens: jax.Array,
+    distribution: jax.Array,
+    where: str,
+    read_state_indices: jax.Array | None = None,
 ) -> int:
   """Checks the per-request arrays of a recurrent-state kernel; returns S.
 
   Raises:
-    ValueError: `state_indices` / `seq_lens` are not `[S]`, or the ragged batch shapes disagree.
+    ValueError: `state_indices` / `seq_lens` / `read_state_indices` are not `[S]`, or the ragged batch shapes
+      disagree.
   """
   if state_indices.ndim != 1:
     raise ValueError(f"{where}: state_indices must be [S]; got shape {state_indices.shape}")
   num_requests = state_indices.shape[0]
   if seq_lens.shape != (num_requests,):
     raise ValueError(f"{where}: seq_lens must be [S] = ({num_requests},) like state_indices; got {seq_lens.shape}")
+  if read_state_indices is not None and read_state_indices.shape != (num_requests,):
+    raise ValueError(
+        f"{where}: read_state_indices must be [S] = ({num_requests},) like state_indices; got {read_state_indices.shape}"
+    )
   check_ragged_metadata(num_requests, query_start_loc, distribution, where)
   return num_requests
 
 
-def has_initial_state(layout: TokenLayout, seq_lens: jax.Array) -> jax.Array:
-  """`[S]` bool: the request is real and has tokens before this step (`seq_lens - query_lens > 0`).
+def has_initial_state(layout: TokenLayout, seq_lens: jax.Array, read_state_indices: jax.Array | None = None) -> jax.Array:
+  """`[S]` bool: the request is real, has tokens before this step and reads a real state slot.
 
-  Requests without earlier tokens read their recurrent state as zeros, whatever their slot holds.
+  That is `seq_lens - query_lens > 0` and, when `read_state_indices` is given, `read_state_indices != 0`: a request
+  whose read slot is the null slot 0 restored nothing (prefix caching resumes only from a restored state), so it
+  starts from zeros. Requests without an initial state read their recurrent state as zeros, whatever their slot
+  holds.
   """
-  return layout.request_valid & (seq_lens.astype(jnp.int32) - layout.query_lens > 0)
+  has_state = layout.request_valid & (seq_lens.astype(jnp.int32) - layout.query_lens > 0)
+  if read_state_indices is not None:
+    has_state = has_state & (read_state_indices.astype(jnp.int32) != NULL_STATE_SLOT)
+  return has_state
+
+
+def align_state_indices(
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    distribution: jax.Array,
+    mamba_block_size: int,
+    num_slots: int,
+) -> tuple[jax.Array, jax.Array]:
+  """Read and write state slots of every request from its recurrent group's block table (the "align" scheme).
+
+  Under prefix caching a request's recurrent state is checkpointed in state blocks, one per `mamba_block_size`
+  tokens, named by the recurrent group's block table. A step reads the initial state from the block of its last
+  computed token and writes the final state into the block of its last new token, as tpu-inference derives them:
+  read = `table[r, max(num_computed - 1, 0) // mamba_block_size]`, write = `table[r, max(seq_len - 1, 0) //
+  mamba_block_size]`, both clipped to `[0, num_slots)`. Padded request rows get the null slot 0.
+
+  Args:
+    block_tables: `[S * P]` flat block table of the recurrent group, row-major per request.
+    seq_lens: `[S]` tokens per request after the step.
+    query_start_loc: `[S + 1]`.
+    distribution: `[3]`.
+    mamba_block_size: tokens per state block (static).
+    num_slots: rows M of the state arrays (static).
+
+  Returns:
+    `(read_state_indices [S], write_state_indices [S])` int32.
+
+  Raises:
+    ValueError: inconsistent shapes or a non-positive block size (static checks).
+  """
+  num_requests = seq_lens.shape[0]
+  where = "align_state_indices"
+  if mamba_block_size < 1:
+    raise ValueError(f"{where}: mamba_block_size must be >= 1; got {mamba_block_size}")
+  if block_tables.ndim != 1 or block_tables.shape[0] == 0 or block_tables.shape[0] % num_requests:
+    raise ValueError(f"{where}: block_tables must be flat [S * P] with S = {num_requests}; got {block_tables.shape}")
+  check_ragged_metadata(num_requests, query_start_loc, distribution, where)
+  table = block_tables.astype(jnp.int32).reshape(num_requests, -1)
+  layout = token_layout(1, query_start_loc, distribution)
+  seq = seq_lens.astype(jnp.int32)
+  computed = seq - layout.query_lens
+  cols = table.shape[1]
+  read_col = jnp.clip(jnp.maximum(computed - 1, 0) // mamba_block_size, 0, cols - 1)
+  write_col = jnp.clip(jnp.maximum(seq - 1, 0) // mamba_block_size, 0, cols - 1)
+  rows = jnp.arange(num_requests)
+  read = jnp.where(layout.request_valid, jnp.clip(table[rows, read_col], 0, num_slots - 1), NULL_STATE_SLOT)
+  write = jnp.where(layout.request_valid, jnp.clip(table[rows, write_col], 0, num_slots - 1), NULL_STATE_SLOT)
+  return read.astype(jnp.int32), write.astype(jnp.int32)

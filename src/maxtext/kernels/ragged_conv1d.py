@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from maxtext.kernels import ragged_batch
 
 
-def _validate(x, conv_state, weight, bias, state_indices, query_start_loc, seq_lens, distribution) -> None:
+def _validate(x, conv_state, weight, bias, state_indices, query_start_loc, seq_lens, distribution, read) -> None:
   where = "ragged_conv1d"
   if x.ndim != 2:
     raise ValueError(f"{where}: x must be [T, C]; got shape {x.shape}")
@@ -28,7 +28,7 @@ def _validate(x, conv_state, weight, bias, state_indices, query_start_loc, seq_l
     )
   if bias is not None and bias.shape != (channels,):
     raise ValueError(f"{where}: bias must be [C] = ({channels},) or None; got {bias.shape}")
-  ragged_batch.check_state_metadata(state_indices, query_start_loc, seq_lens, distribution, where)
+  ragged_batch.check_state_metadata(state_indices, query_start_loc, seq_lens, distribution, where, read)
 
 
 def ragged_conv1d(
@@ -40,6 +40,7 @@ def ragged_conv1d(
     query_start_loc: jax.Array,
     seq_lens: jax.Array,
     distribution: jax.Array,
+    read_state_indices: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Causal depthwise conv + SiLU over a ragged batch, reading and updating each request's conv state.
 
@@ -52,11 +53,13 @@ def ragged_conv1d(
     conv_state: `[M, K - 1, C]` stored raw input rows per slot (any float dtype, e.g. bf16), oldest first.
     weight: `[C, 1, K]` depthwise kernel, the runner's layout (MaxText's `(K, 1, C)` transposed by `(2, 1, 0)`).
     bias: `[C]` or None.
-    state_indices: `[S]` int32 slot per request.
+    state_indices: `[S]` int32 slot per request: where its new state is written.
     query_start_loc: `[S + 1]` int32 cumulative new-token counts.
     seq_lens: `[S]` int32 tokens per request after this step; the state is read only if
-      `seq_lens - query_len > 0`.
+      `seq_lens - query_len > 0` (and the read slot is not the null slot 0).
     distribution: `[3]` int32; `distribution[2]` is the number of real requests.
+    read_state_indices: `[S]` int32 slot each request reads its initial state from (None: `state_indices`);
+      prefix caching resumes from one state block and checkpoints into another.
 
   Returns:
     `(y [T, C] in x.dtype, new_conv_state [M, K - 1, C])`; the new state of a request is the last K - 1 raw rows
@@ -65,16 +68,17 @@ def ragged_conv1d(
   Raises:
     ValueError: inconsistent shapes (static checks).
   """
-  _validate(x, conv_state, weight, bias, state_indices, query_start_loc, seq_lens, distribution)
+  _validate(x, conv_state, weight, bias, state_indices, query_start_loc, seq_lens, distribution, read_state_indices)
   num_tokens = x.shape[0]
   num_slots, hist, _ = conv_state.shape  # hist = K - 1
   width = hist + 1
   state_indices = state_indices.astype(jnp.int32)
+  read = state_indices if read_state_indices is None else read_state_indices.astype(jnp.int32)
   qsl = query_start_loc.astype(jnp.int32)
   layout = ragged_batch.token_layout(num_tokens, qsl, distribution)
-  has_init = ragged_batch.has_initial_state(layout, seq_lens)
-  # [S, K - 1, C]: each request's rows preceding its first new token (zeros without earlier tokens).
-  init_rows = jnp.where(has_init[:, None, None], conv_state[state_indices], jnp.zeros((), conv_state.dtype))
+  has_init = ragged_batch.has_initial_state(layout, seq_lens, read_state_indices)
+  # [S, K - 1, C]: each request's rows preceding its first new token (zeros without a restored state).
+  init_rows = jnp.where(has_init[:, None, None], conv_state[read], jnp.zeros((), conv_state.dtype))
 
   def rows_before(end: jax.Array, request: jax.Array, count: int) -> jax.Array:
     """Candidates for the `count` rows ending before token `end` of `request` (its state rows, then its x).

@@ -19,7 +19,9 @@ def _l2_normalize(x: jax.Array) -> jax.Array:
   return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
 
 
-def _validate(q, k, v, b, a, a_log, dt_bias, recurrent_state, state_indices, query_start_loc, seq_lens, distribution):
+def _validate(
+    q, k, v, b, a, a_log, dt_bias, recurrent_state, state_indices, query_start_loc, seq_lens, distribution, read
+):
   where = "ragged_gated_delta_rule"
   if q.ndim != 3 or k.shape != q.shape:
     raise ValueError(f"{where}: q and k must both be [T, nk, dk]; got q {q.shape} and k {k.shape}")
@@ -45,7 +47,7 @@ def _validate(q, k, v, b, a, a_log, dt_bias, recurrent_state, state_indices, que
         f"{where}: recurrent_state must be float32 (a lower precision state is re-quantized every token); "
         f"got {recurrent_state.dtype}"
     )
-  ragged_batch.check_state_metadata(state_indices, query_start_loc, seq_lens, distribution, where)
+  ragged_batch.check_state_metadata(state_indices, query_start_loc, seq_lens, distribution, where, read)
 
 
 def ragged_gated_delta_rule(
@@ -61,6 +63,7 @@ def ragged_gated_delta_rule(
     query_start_loc: jax.Array,
     seq_lens: jax.Array,
     distribution: jax.Array,
+    read_state_indices: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Gated delta rule over a ragged batch, reading and updating each request's recurrent state.
 
@@ -79,11 +82,12 @@ def ragged_gated_delta_rule(
     A_log: `[nv]` log decay rates.
     dt_bias: `[nv]` decay bias.
     recurrent_state: `[M, nv, dk, dv]` float32 states per slot; slot 0 is the null slot.
-    state_indices: `[S]` int32 slot per request.
+    state_indices: `[S]` int32 slot per request: where its final state is written.
     query_start_loc: `[S + 1]` int32 cumulative new-token counts.
     seq_lens: `[S]` int32 tokens per request after this step; a request starts from zeros when
-      `seq_lens - query_len == 0`.
+      `seq_lens - query_len == 0` (or its read slot is the null slot 0).
     distribution: `[3]` int32; `distribution[2]` is the number of real requests.
+    read_state_indices: `[S]` int32 slot each request reads its initial state from (None: `state_indices`).
 
   Returns:
     `(out [T, nv, dv] in v.dtype, new_recurrent_state [M, nv, dk, dv] float32)`.
@@ -91,7 +95,21 @@ def ragged_gated_delta_rule(
   Raises:
     ValueError / TypeError: inconsistent shapes, or a non-fp32 recurrent state (static checks).
   """
-  _validate(q, k, v, b, a, A_log, dt_bias, recurrent_state, state_indices, query_start_loc, seq_lens, distribution)
+  _validate(
+      q,
+      k,
+      v,
+      b,
+      a,
+      A_log,
+      dt_bias,
+      recurrent_state,
+      state_indices,
+      query_start_loc,
+      seq_lens,
+      distribution,
+      read_state_indices,
+  )
   num_tokens, num_k_heads, key_dim = q.shape
   num_v_heads = v.shape[1]
   num_slots = recurrent_state.shape[0]
@@ -99,8 +117,9 @@ def ragged_gated_delta_rule(
   state_indices = state_indices.astype(jnp.int32)
 
   layout = ragged_batch.token_layout(num_tokens, query_start_loc, distribution)
-  has_init = ragged_batch.has_initial_state(layout, seq_lens)
-  init_states = jnp.where(has_init[:, None, None, None], recurrent_state[state_indices], 0.0)  # [S, nv, dk, dv]
+  read = state_indices if read_state_indices is None else read_state_indices.astype(jnp.int32)
+  has_init = ragged_batch.has_initial_state(layout, seq_lens, read_state_indices)
+  init_states = jnp.where(has_init[:, None, None, None], recurrent_state[read], 0.0)  # [S, nv, dk, dv]
 
   qf = _l2_normalize(jnp.repeat(q.astype(jnp.float32), repeat, axis=1)) * key_dim**-0.5  # [T, nv, dk]
   kf = _l2_normalize(jnp.repeat(k.astype(jnp.float32), repeat, axis=1))

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from maxtext.configs.derived import state_block_size
 from maxtext.configs.layer_kinds import LINEAR_ATTENTION, RECURRENT_CACHE
-from maxtext.kernels.attention_metadata import AttentionMetadata
+from maxtext.kernels.attention_metadata import AttentionMetadata, recurrent_state_indices
 from maxtext.kernels.backend import KernelBackend
 from maxtext.kernels.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
 from maxtext.layers.initializers import draw_key, fan_in_uniform, uniform
@@ -201,6 +202,7 @@ class GatedDeltaNet(Mixer):
       norm_eps: float = 1e-6,
       dtype: jnp.dtype = jnp.float32,
       weight_dtype: jnp.dtype = jnp.float32,
+      mamba_block_size: int | None = None,
       rngs: nnx.Rngs,
   ):
     if min(num_key_heads, num_value_heads, key_head_dim, value_head_dim) <= 0 or num_value_heads % num_key_heads:
@@ -213,6 +215,7 @@ class GatedDeltaNet(Mixer):
     self.nk, self.nv, self.hk, self.hv = num_key_heads, num_value_heads, key_head_dim, value_head_dim
     self.conv_dim = 2 * num_key_heads * key_head_dim + num_value_heads * value_head_dim
     self.chunk_size = int(chunk_size)
+    self.mamba_block_size = mamba_block_size  # tokens per state block under prefix caching (align scheme)
     self.dtype = jnp.dtype(dtype)
     kw = {"dtype": dtype, "weight_dtype": weight_dtype, "rngs": rngs}
     self.qkv = DenseGeneral(emb_dim, self.conv_dim, **kw)
@@ -241,6 +244,7 @@ class GatedDeltaNet(Mixer):
         norm_eps=cfg.normalization_layer_epsilon,
         dtype=jnp.dtype(cfg.dtype),
         weight_dtype=jnp.dtype(cfg.weight_dtype),
+        mamba_block_size=state_block_size(cfg),
         rngs=rngs,
     )
 
@@ -339,20 +343,20 @@ class GatedDeltaNet(Mixer):
       x: `[T, D]` normalised hidden states of the flat batch.
       positions: `[T]` (unused: the recurrence carries position).
       state: `(conv_state [M, K-1, C], recurrent_state [M, nv, hk, hv] float32)`, addressed by
-        `md.mamba_state_indices` (slot 0 is the null slot).
-      md: the step's metadata (block tables are ignored).
+        `md.mamba_state_indices` (slot 0 is the null slot), or under prefix caching by the state blocks of
+        `md.block_tables` (read and write slots differ; `attention_metadata.recurrent_state_indices`).
+      md: the step's metadata.
       backend: the kernel backend.
 
     Returns:
       output `[T, D]` and the new `(conv_state, recurrent_state)`.
 
     Raises:
-      ValueError: the metadata has no `mamba_state_indices`.
+      ValueError: the metadata names no state slots.
     """
     del positions  # The recurrence carries position; the runner passes positions to every layer.
-    if md.mamba_state_indices is None:
-      raise ValueError("a linear_attention layer needs attention_metadata.mamba_state_indices (its state slots)")
     conv_state, recurrent_state = state
+    read, write = recurrent_state_indices(md, self.mamba_block_size, conv_state.shape[0], "a linear_attention layer")
     qkv, z, b, a = self.project(x)
     kernel_size = self.conv.kernel.shape[0]
     weight = jnp.transpose(self.conv.kernel[...])[:, None, :]  # [K, C] -> the runner's [C, 1, K]
@@ -366,7 +370,7 @@ class GatedDeltaNet(Mixer):
         None,
         self.A_log[...],
         self.dt_bias[...],
-        md.mamba_state_indices,
+        write,
         md.query_start_loc,
         md.request_distribution,
         md.seq_lens,
@@ -375,6 +379,7 @@ class GatedDeltaNet(Mixer):
         self.hk,
         self.hv,
         kernel_size,
+        read,
     )
     return self.output(out.reshape(out.shape[0], self.nv, self.hv), z), state
 

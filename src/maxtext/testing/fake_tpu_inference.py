@@ -62,10 +62,11 @@ GDN_PARAMETERS = (
     "d_v",
     "kernel_size",
     "mesh",
+    "read_state_indices",
 )
 _METADATA = {
     "rpa": ("kv_lens", "page_indices", "cu_q_lens", "distribution"),
-    "gdn": ("state_indices", "query_start_loc", "distribution", "seq_lens"),
+    "gdn": ("state_indices", "query_start_loc", "distribution", "seq_lens", "read_state_indices"),
 }
 _HEAD_AXES = ("model", "expert", "dcp")
 ATTENTION_MODULE = "tpu_inference.layers.common.attention_interface"
@@ -140,12 +141,12 @@ class RecordingTpuInference:
     return self._reference.ragged_paged_attention(*ref_args, num_kv_heads=k.shape[1])
 
   def run_jax_gdn_attention(self, *args: Any, **kwargs: Any):
-    """0.32.0's `run_jax_gdn_attention(mixed_qkv, ..., kernel_size, mesh)` -> `((conv, recurrent), out)`."""
+    """0.32.0's `run_jax_gdn_attention(mixed_qkv, ..., kernel_size, mesh, read_state_indices)` -> `((conv, rec), out)`."""
     f = "run_jax_gdn_attention"
     bound = _bind(f, GDN_PARAMETERS, args, kwargs)
     n_kq, n_v, d_k, d_v, width = (bound[n] for n in ("n_kq", "n_v", "d_k", "d_v", "kernel_size"))
     _check(all(isinstance(n, int) for n in (n_kq, n_v, d_k, d_v, width)), f"{f}: head counts and sizes are ints")
-    _check(isinstance(bound["mesh"], jax.sharding.Mesh), f"{f}: the last argument must be the mesh")
+    _check(isinstance(bound["mesh"], jax.sharding.Mesh), f"{f}: the argument after kernel_size must be the mesh")
     x, conv, rec, weight = (bound[n] for n in ("mixed_qkv", "conv_state", "recurrent_state", "conv_weight"))
     channels = 2 * n_kq * d_k + n_v * d_v
     t = x.shape[0]
@@ -189,6 +190,7 @@ class RecordingTpuInference:
           d_k,
           d_v,
           bound["kernel_size"],
+          bound["read_state_indices"],
       )
       convs.append(conv)
       recs.append(rec)

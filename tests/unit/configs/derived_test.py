@@ -3,7 +3,7 @@
 import pytest
 
 from maxtext.configs import ConfigError, load_config
-from maxtext.configs.derived import kv_shared_sources
+from maxtext.configs.derived import kv_shared_sources, state_block_size
 
 F, S, LIN = "full_attention", "sliding_attention", "linear_attention"
 
@@ -152,8 +152,18 @@ def test_kv_shared_sources_pick_last_earlier_layer_of_same_type():
         ),
         ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, r"max_num_batched_tokens=4: must be >= max_num_seqs=8"),
         ({"decode_sampling_nucleus_p": 1.5}, r"decode_sampling_nucleus_p=1.5: must be <= 1"),
+        (
+            {"block_size": 16, "mamba_block_size": 24},
+            r"mamba_block_size=24: must be 0 \(= block_size\) or a positive multiple of block_size=16",
+        ),
+        ({"mamba_block_size": -16}, r"mamba_block_size=-16: must be 0"),
     ],
 )
 def test_inconsistent_combinations(kwargs, message):
   with pytest.raises(ConfigError, match=message):
     load_config(**kwargs)
+
+
+def test_state_block_size_defaults_to_the_block_size():
+  assert state_block_size(load_config(block_size=8)) == 8
+  assert state_block_size(load_config(block_size=8, mamba_block_size=32)) == 32

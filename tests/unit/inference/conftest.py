@@ -179,6 +179,21 @@ class PagedFakeModel:
     }
     self.states = [0] * manager.num_state_slots
 
+  def _align_step(self, batch, i, length, tokens):
+    """Reads the block of the last computed token (zeros when none was restored), writes the block of the last."""
+    gid = next(g.group_id for g in self.manager.groups if g.kind == "recurrent")
+    table = batch.block_tables[gid].reshape(batch.seq_lens.shape[0], -1)[i]
+    size = self.manager.mamba_block_size
+    computed = length - len(tokens)
+    read, write = table[max(computed - 1, 0) // size], table[(length - 1) // size]
+    assert write != 0, f"step of request row {i} writes its state to the null block"
+    assert computed == 0 or read != 0, f"request row {i} resumes at {computed} without a restored state"
+    state = self.states[read] if computed else 0
+    for t in tokens:
+      state = mix_state(state, t)
+    self.states[write] = state
+    return state
+
   def step(self, batch, slots_to_zero):
     """Returns {request id: predicted token} for every request of the batch."""
     for slot in slots_to_zero:
@@ -215,6 +230,8 @@ class PagedFakeModel:
         for t in tokens:
           state = mix_state(state, t)
         self.states[slot] = state
+      elif self.manager.has_recurrent:  # prefix caching: state blocks of the recurrent group's table (align scheme)
+        state = self._align_step(batch, i, length, tokens)
       predictions[rid] = next_token(full_sequence, state)
     return predictions
 

@@ -57,3 +57,38 @@ def test_check_ragged_metadata(num_requests, qsl_shape, dist_shape, match):
   """Shape errors name the caller and the expected shape."""
   with pytest.raises(ValueError, match=match):
     ragged_batch.check_ragged_metadata(num_requests, jnp.zeros(qsl_shape), jnp.zeros(dist_shape), "where")
+
+
+def test_align_state_indices_read_the_last_computed_block_and_write_the_last_new_one():
+  # Block size 4, 4 columns per request: a decode crossing into block 2, a chunk inside block 1, a fresh prefill,
+  # a chunk resuming from a hit at 8, one padded row.
+  tables = np.array([[11, 12, 13, 0], [21, 22, 0, 0], [31, 0, 0, 0], [0, 42, 43, 0], [9, 9, 9, 9]], np.int32)
+  seq_lens = np.array([9, 7, 3, 12, 5], np.int32)
+  qsl = np.array([0, 1, 3, 6, 10, 10], np.int32)  # new tokens 1, 2, 3, 4
+  read, write = ragged_batch.align_state_indices(
+      jnp.asarray(tables.reshape(-1)), jnp.asarray(seq_lens), jnp.asarray(qsl), jnp.asarray([1, 1, 4], np.int32), 4, 50
+  )
+  # computed = 8, 5, 0, 8: read columns 1, 1, 0, 1; write columns 2, 1, 0, 2.
+  np.testing.assert_array_equal(np.asarray(read), [12, 22, 31, 42, 0])
+  np.testing.assert_array_equal(np.asarray(write), [13, 22, 31, 43, 0])
+  # Slots beyond the pool are clipped to it, as tpu-inference does.
+  _, clipped = ragged_batch.align_state_indices(
+      jnp.asarray(tables.reshape(-1)), jnp.asarray(seq_lens), jnp.asarray(qsl), jnp.asarray([1, 1, 4], np.int32), 4, 20
+  )
+  np.testing.assert_array_equal(np.asarray(clipped), [13, 19, 19, 19, 0])
+
+
+def test_align_state_indices_rejects_bad_arguments():
+  args = (jnp.zeros((10,), jnp.int32), jnp.zeros((4,), jnp.int32), jnp.zeros((5,), jnp.int32), jnp.zeros((3,), jnp.int32))
+  with pytest.raises(ValueError, match="block_tables must be flat"):
+    ragged_batch.align_state_indices(*args, 4, 8)
+  with pytest.raises(ValueError, match="mamba_block_size must be >= 1"):
+    ragged_batch.align_state_indices(jnp.zeros((8,), jnp.int32), *args[1:], 0, 8)
+
+
+def test_has_initial_state_needs_a_restored_read_slot():
+  layout = ragged_batch.token_layout(4, jnp.asarray([0, 1, 3, 4], np.int32), jnp.asarray([1, 1, 3], np.int32))
+  seq_lens = jnp.asarray([5, 2, 3], np.int32)  # computed 4, 0, 2
+  np.testing.assert_array_equal(np.asarray(ragged_batch.has_initial_state(layout, seq_lens)), [True, False, True])
+  read = jnp.asarray([7, 3, 0], np.int32)
+  np.testing.assert_array_equal(np.asarray(ragged_batch.has_initial_state(layout, seq_lens, read)), [True, False, False])

@@ -81,7 +81,9 @@ def _make_batch(
   )
 
 
-def _reference(b: ConvBatch):
+def _reference(b: ConvBatch, read=None):
+  """Float64 loops; `read` (default: the state slots) names the slot each request's stored rows come from."""
+  read = b.state_indices if read is None else read
   width = b.weight.shape[2]
   old = b.conv_state.astype(np.float64)
   new_state = old.copy()
@@ -91,7 +93,8 @@ def _reference(b: ConvBatch):
   for r in range(b.distribution[2]):
     qs, qe = b.query_start_loc[r], b.query_start_loc[r + 1]
     slot = b.state_indices[r]
-    hist = old[slot] if b.seq_lens[r] - (qe - qs) > 0 else np.zeros_like(old[slot])
+    restored = b.seq_lens[r] - (qe - qs) > 0 and (read is b.state_indices or read[r] != 0)
+    hist = old[read[r]] if restored else np.zeros_like(old[slot])
     stream = np.concatenate([hist, x[qs:qe]])  # [K - 1 + ql, C]
     for j in range(qe - qs):
       window = stream[j : j + width]  # x_{t-K+1} .. x_t
@@ -197,3 +200,24 @@ def test_rejects_bad_arguments(field, value, match):
   b = dataclasses.replace(_make_batch(6), **{field: value})
   with pytest.raises(ValueError, match=match):
     rc.ragged_conv1d(*b.args())
+
+
+def test_read_and_write_slots_differ():
+  """Prefix caching's split: each request reads its stored rows from one slot and writes to another; a request
+  whose read slot is the null slot restored nothing and starts from zeros although it has earlier tokens."""
+  b = _make_batch(5, ((4, 1, 1), (8, 3, 2), (6, 2, 3), (0, 4, 4)), num_tokens=12, max_reqs=6)
+  read = np.array([5, 6, 0, 7, 0, 0], np.int32)
+  y, new_state = jax.jit(rc.ragged_conv1d)(*b.args(), jnp.asarray(read))
+  ref_y, ref_state = _reference(b, read)
+  valid = b.query_start_loc[b.distribution[2]]
+  np.testing.assert_allclose(np.asarray(y, np.float64)[:valid], ref_y[:valid], atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(new_state).astype(np.float64), ref_state)
+  # The read slots are untouched.
+  for slot in (5, 6, 7):
+    np.testing.assert_array_equal(np.asarray(new_state)[slot], b.conv_state[slot])
+
+
+def test_read_slots_must_be_per_request():
+  b = _make_batch(6)
+  with pytest.raises(ValueError, match=r"read_state_indices must be \[S\]"):
+    rc.ragged_conv1d(*b.args(), jnp.zeros((3,), jnp.int32))

@@ -69,8 +69,11 @@ def _make_batch(
   )
 
 
-def _reference(g: GdnBatch):
-  """Float64 loops in the delta-rule form: S = e S; S += k (x) beta (v - k^T S); o = q^T S."""
+def _reference(g: GdnBatch, read=None):
+  """Float64 loops in the delta-rule form: S = e S; S += k (x) beta (v - k^T S); o = q^T S. `read` (default: the
+  state slots) names the slot each request's initial state comes from; the null slot 0 means zeros."""
+  read_given = read is not None
+  read = g.state_indices if read is None else read
   nk, dk = g.q.shape[1:]
   nv = g.v.shape[1]
   out = np.zeros(g.v.shape)
@@ -80,7 +83,8 @@ def _reference(g: GdnBatch):
     slot = g.state_indices[r]
     for h in range(nv):
       kh = h // (nv // nk)
-      s = g.state[slot, h].astype(np.float64) if g.seq_lens[r] - (qe - qs) > 0 else np.zeros(g.state.shape[2:])
+      restored = g.seq_lens[r] - (qe - qs) > 0 and (not read_given or read[r] != 0)
+      s = g.state[read[r], h].astype(np.float64) if restored else np.zeros(g.state.shape[2:])
       for t in range(qs, qe):
         q = g.q[t, kh].astype(np.float64)
         k = g.k[t, kh].astype(np.float64)
@@ -209,3 +213,17 @@ def test_rejects_bad_arguments(field, value, error, match):
   g = dataclasses.replace(_make_batch(4), **{field: value})
   with pytest.raises(error, match=match):
     gdr.ragged_gated_delta_rule(*g.args())
+
+
+def test_read_and_write_slots_differ():
+  """Prefix caching's split: a request resumes from one state block and checkpoints into another; a request whose
+  read slot is the null slot restored nothing and starts from zeros although it has earlier tokens."""
+  g = _make_batch(7, ((5, 1, 3), (4, 3, 5), (6, 2, 2), (0, 4, 7)), num_tokens=12, max_reqs=6)
+  read = np.array([1, 4, 0, 6, 0, 0], np.int32)
+  out, new_state = jax.jit(gdr.ragged_gated_delta_rule)(*g.args(), jnp.asarray(read))
+  ref_out, ref_state = _reference(g, read)
+  valid = g.query_start_loc[g.distribution[2]]
+  np.testing.assert_allclose(np.asarray(out, np.float64)[:valid], ref_out[:valid], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(new_state, np.float64), ref_state, atol=1e-5, rtol=1e-5)
+  for slot in (1, 4, 6):  # read, never written
+    np.testing.assert_array_equal(np.asarray(new_state)[slot], g.state[slot])

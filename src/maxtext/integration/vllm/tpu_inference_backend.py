@@ -11,6 +11,9 @@ What the wrapper adds to a plain call:
 - KV-sharing layers read without writing (`update_kv_cache=False`), but the upstream function still shards k and v,
   so it gets zero-filled ones of the cache's head count.
 - k and v are cast to the cache dtype (the upstream kernel requires them equal).
+- `read_state_indices` (prefix caching: read the initial state from one slot, write to another) is passed on
+  positionally after the mesh, as 0.32.0's `run_jax_gdn_attention` takes it; without one, `state_indices`, its
+  own default.
 - `run_jax_gdn_attention` splits the `[q | k | v]` channels of `mixed_qkv` (and of the conv weight and bias)
   into contiguous blocks, one per tensor-parallel shard, so each shard must find its own heads' `[q | k | v]` in its
   block: for more than one shard the channels are reordered into that per-shard layout first. The conv state the
@@ -179,6 +182,7 @@ class TpuInferenceBackend(ReferenceBackend):
       d_k,
       d_v,
       kernel_size,
+      read_state_indices=None,
   ):
     shards = head_shards(self.mesh)
     if shards > 1:
@@ -206,6 +210,7 @@ class TpuInferenceBackend(ReferenceBackend):
         d_v,
         kernel_size,
         self.mesh,
+        state_indices if read_state_indices is None else read_state_indices,  # 0.32.0's own default
     )
 
 

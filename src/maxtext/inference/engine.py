@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from maxtext.inference.batch import BatchInputs, build_batch
+from maxtext.inference.batch import BatchInputs, build_batch, next_power_of_two
 from maxtext.inference.kv_cache_manager import KVCacheManager
 from maxtext.inference.request import Request
 from maxtext.inference.sampler import Sampler, TokenLogprobs
@@ -124,9 +124,14 @@ class LLMEngine:
     def logits(state, hidden, logits_indices):
       return nnx.merge(graphdef, state).compute_logits(hidden[logits_indices])
 
+    def greedy(state, hidden, logits_indices):
+      rows = logits(state, hidden, logits_indices)
+      return jnp.argmax(rows, axis=-1).astype(jnp.int32), jnp.all(jnp.isfinite(rows), axis=-1)
+
     # The runner's settings: kv_caches donated, the layer map static.
     self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(5,))
     self._logits = jax.jit(logits)
+    self._greedy = jax.jit(greedy)
 
   def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
     """Queues a request; returns its id.
@@ -213,13 +218,20 @@ class LLMEngine:
     )
     sampled: dict[str, int] = {}
     if out.sampling_request_ids:
-      logits = np.asarray(self._logits(self.state, hidden, jnp.asarray(batch.logits_indices)))
-      rows = [batch.request_ids.index(rid) for rid in out.sampling_request_ids]
       requests = {e.request.request_id: e.request for e in out.scheduled}
       params = [requests[rid].sampling_params for rid in out.sampling_request_ids]
-      steps = [len(requests[rid].output_token_ids) for rid in out.sampling_request_ids]
-      result = self.sampler.sample(logits[rows], params, steps)
-      for rid, token, logprob in zip(out.sampling_request_ids, result.token_ids, result.logprobs):
+      indices = jnp.asarray(sampling_logits_indices(batch, out.sampling_request_ids))
+      if all(p.is_greedy and p.logprobs is None for p in params):
+        # Greedy without logprobs: argmax on the device, only the token ids come back to the host.
+        token_ids, finite = (np.asarray(a) for a in self._greedy(self.state, hidden, indices))
+        check_finite_rows(finite[: len(params)])
+        token_ids, logprobs = token_ids[: len(params)], [None] * len(params)
+      else:
+        logits = np.asarray(self._logits(self.state, hidden, indices))[: len(params)]
+        steps = [len(requests[rid].output_token_ids) for rid in out.sampling_request_ids]
+        result = self.sampler.sample(logits, params, steps)
+        token_ids, logprobs = result.token_ids, result.logprobs
+      for rid, token, logprob in zip(out.sampling_request_ids, token_ids, logprobs):
         sampled[rid] = int(token)
         if logprob is not None:
           self._logprobs[rid].append(logprob)
@@ -238,6 +250,33 @@ class LLMEngine:
   def all_free(self) -> bool:
     """Leak check: every block and state slot is back in its pool."""
     return self.manager.all_free()
+
+
+def sampling_logits_indices(batch: BatchInputs, sampling_request_ids: Sequence[str]) -> np.ndarray:
+  """The hidden-state rows to compute logits for: each sampling request's last token, in `sampling_request_ids` order.
+
+  Only the requests that sample this step get logits (a chunked prefill that does not finish its prompt gets
+  none). The rows are padded to a power of two (repeating the first row) so the logits program compiles once per
+  bucket.
+
+  Returns:
+    `[next_power_of_two(len(sampling_request_ids))]` int32; the first `len(sampling_request_ids)` rows are real.
+  """
+  rows = [batch.request_ids.index(rid) for rid in sampling_request_ids]
+  indices = np.full((next_power_of_two(len(rows)),), batch.logits_indices[rows[0]], np.int32)
+  indices[: len(rows)] = batch.logits_indices[rows]
+  return indices
+
+
+def check_finite_rows(finite: np.ndarray) -> None:
+  """Raises like the sampler when a sampled row's logits are not all finite.
+
+  Raises:
+    ValueError: row i holds NaN or inf.
+  """
+  bad = np.flatnonzero(~finite)
+  if bad.size:
+    raise ValueError(f"logits row {int(bad[0])} holds non-finite values (NaN or inf); the model output is broken")
 
 
 def metadata_positions(metadata: AttentionMetadata | GroupedAttentionMetadata) -> jax.Array:

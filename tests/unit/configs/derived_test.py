@@ -152,6 +152,8 @@ def test_kv_shared_sources_pick_last_earlier_layer_of_same_type():
         ),
         ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, r"max_num_batched_tokens=4: must be >= max_num_seqs=8"),
         ({"decode_sampling_nucleus_p": 1.5}, r"decode_sampling_nucleus_p=1.5: must be <= 1"),
+        ({"min_token_bucket": 12}, r"min_token_bucket=12: must be a power of two"),
+        ({"min_token_bucket": 0}, r"min_token_bucket=0"),
     ],
 )
 def test_inconsistent_combinations(kwargs, message):

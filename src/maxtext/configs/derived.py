@@ -57,6 +57,7 @@ _POSITIVE = (
     "num_kv_blocks",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "min_token_bucket",
     "max_target_length",
     "ici_tensor_parallelism",
     "ici_data_parallelism",
@@ -217,6 +218,9 @@ def validate(values: Mapping[str, Any]) -> None:
         f"must be 0 (= block_size) or a positive multiple of block_size={block_size} (a recurrent state block ends"
         " where an attention block ends)",
     )
+  bucket = values["min_token_bucket"]
+  if bucket & (bucket - 1):
+    raise _fail("min_token_bucket", bucket, "must be a power of two (token buckets are powers of two)")
   _validate_axis_rules(values["logical_axis_rules"])
   if values["decode_sampling_nucleus_p"] > 1.0:
     raise _fail("decode_sampling_nucleus_p", values["decode_sampling_nucleus_p"], "must be <= 1")

@@ -13,8 +13,10 @@ Layout (upstream contract; R = max_num_reqs = max(max_num_seqs, 8), P_g = cdiv(m
                    mamba_block_size tokens, P = cdiv(max_target_length, mamba_block_size))
   logits_indices   [padded_num_reqs] int32  query_start_loc[i+1] - 1 for real requests; padding 0 (a valid row
                    whose logits are discarded)
-padded_T is the smallest power of two >= T, at least 16 and at most max_num_batched_tokens rounded up to a power
-of two; padded_num_reqs the smallest power of two >= the request count, at least 8, capped at R.
+padded_T is the smallest power of two >= T and >= the config's `min_token_bucket` (1 by default; tpu-inference's
+smallest is 16), at most max_num_batched_tokens rounded up to a power of two; padded_num_reqs the smallest power
+of two >= the request count, at least 8, capped at R. Logits are computed only for the requests that sample, their
+rows padded to a power of two (`engine.sampling_logits_indices`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from maxtext.inference.kv_cache_manager import ATTENTION, MIN_REQUEST_BUCKET, KV
 from maxtext.inference.scheduler import SchedulerOutput
 from maxtext.kernels.attention_metadata import AttentionMetadata
 
-MIN_TOKEN_BUCKET = 16
+MIN_TOKEN_BUCKET = 16  # the runner's smallest bucket; the config's min_token_bucket overrides it (default 1)
 # The field names of AttentionMetadata, in its order (metadata_fields() dicts construct it in one line).
 METADATA_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionMetadata))
 
@@ -38,15 +40,15 @@ def next_power_of_two(n: int) -> int:
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def padded_num_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:
-  """The token bucket of a step: a power of two >= num_tokens, in [16, next_power_of_two(max_num_batched_tokens)].
+def padded_num_tokens(num_tokens: int, max_num_batched_tokens: int, min_bucket: int = MIN_TOKEN_BUCKET) -> int:
+  """The token bucket of a step: the smallest power of two >= num_tokens and >= `min_bucket` (a power of two).
 
   Raises:
     ValueError: num_tokens exceeds max_num_batched_tokens.
   """
   if num_tokens > max_num_batched_tokens:
     raise ValueError(f"{num_tokens} scheduled tokens exceed max_num_batched_tokens={max_num_batched_tokens}")
-  return max(MIN_TOKEN_BUCKET, next_power_of_two(num_tokens))
+  return max(min_bucket, next_power_of_two(num_tokens))
 
 
 def padded_num_requests(num_reqs: int, num_req_rows: int) -> int:
@@ -148,7 +150,7 @@ def build_batch(cfg: Any, scheduler_output: SchedulerOutput, kv_cache_manager: K
   num_reqs = len(entries)
   counts = [n for _, n in entries]
   num_tokens = sum(counts)
-  padded_t = padded_num_tokens(num_tokens, int(cfg.max_num_batched_tokens))
+  padded_t = padded_num_tokens(num_tokens, int(cfg.max_num_batched_tokens), int(cfg.min_token_bucket))
   padded_reqs = padded_num_requests(num_reqs, rows)
 
   input_ids = np.zeros((padded_t,), np.int32)

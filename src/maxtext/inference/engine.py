@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from maxtext.inference.batch import BatchInputs, build_batch
+from maxtext.inference.batch import BatchInputs, build_batch, next_power_of_two
 from maxtext.inference.kv_cache_manager import KVCacheManager
 from maxtext.inference.request import Request
 from maxtext.inference.sampler import Sampler, TokenLogprobs
@@ -78,10 +78,19 @@ def _to_device(value: Any) -> Any:
   return None if value is None else jnp.asarray(value)
 
 
-def make_attention_metadata(batch: BatchInputs) -> AttentionMetadata | GroupedAttentionMetadata:
-  """The step's metadata: one `AttentionMetadata`, or a grouped mapping when there is more than one group."""
+def make_attention_metadata(
+    batch: BatchInputs, *, on_device: bool = True
+) -> AttentionMetadata | GroupedAttentionMetadata:
+  """The step's metadata: one `AttentionMetadata`, or a grouped mapping when there is more than one group.
+
+  Args:
+    batch: the step's inputs.
+    on_device: put every array on the device; False keeps the NumPy arrays, for a jitted call to transfer
+      (its C++ dispatch moves them in one pass, cheaper than one `jnp.asarray` per array).
+  """
+  convert = _to_device if on_device else (lambda value: value)
   groups = [
-      AttentionMetadata(**{k: v if k == "padded_num_reqs" else _to_device(v) for k, v in fields.items()})
+      AttentionMetadata(**{k: v if k == "padded_num_reqs" else convert(v) for k, v in fields.items()})
       for fields in batch.metadata_fields()
   ]
   if len(groups) == 1:
@@ -123,21 +132,32 @@ class LLMEngine:
     self.last_sampled: dict[str, int] = {}
     self._next_id = 0
     graphdef, self.state = nnx.split(self.model)
+    # The jitted calls take the parameters as a flat list: flattening the nnx State (its Variables) in Python on
+    # every call costs milliseconds per step, a list of arrays goes through the C++ dispatch path.
+    self._state_leaves, state_def = jax.tree_util.tree_flatten(self.state)
 
-    def step(state, kv_caches, input_ids, attention_metadata, input_positions, layer_map):
+    def merged(leaves):
+      return nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, leaves))
+
+    def step(leaves, kv_caches, input_ids, attention_metadata, input_positions, layer_map):
       self.stats.step_traces += 1  # Python side effect: runs once per trace, i.e. per compilation.
-      model = nnx.merge(graphdef, state)
+      model = merged(leaves)
       kv_caches, hidden, _, _ = model(
           kv_caches, input_ids, attention_metadata, None, input_positions, layer_map, None, None, True, True
       )
       return kv_caches, hidden
 
-    def logits(state, hidden, logits_indices):
-      return nnx.merge(graphdef, state).compute_logits(hidden[logits_indices])
+    def logits(leaves, hidden, logits_indices):
+      return merged(leaves).compute_logits(hidden[logits_indices])
+
+    def greedy(leaves, hidden, logits_indices):
+      rows = logits(leaves, hidden, logits_indices)
+      return jnp.argmax(rows, axis=-1).astype(jnp.int32), jnp.all(jnp.isfinite(rows), axis=-1)
 
     # The runner's settings: kv_caches donated, the layer map static.
     self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(5,))
     self._logits = jax.jit(logits)
+    self._greedy = jax.jit(greedy)
 
   def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
     """Queues a request; returns its id.
@@ -219,20 +239,26 @@ class LLMEngine:
     if out.is_empty:
       return aborted
     batch = build_batch(self.cfg, out, self.manager)
-    metadata = make_attention_metadata(batch)
-    input_ids = jnp.asarray(batch.input_ids)
+    metadata = make_attention_metadata(batch, on_device=False)
     self.kv_caches, hidden = self._step(
-        self.state, self.kv_caches, input_ids, metadata, metadata_positions(metadata), self.layer_map
+        self._state_leaves, self.kv_caches, batch.input_ids, metadata, metadata_positions(metadata), self.layer_map
     )
     sampled: dict[str, int] = {}
     if out.sampling_request_ids:
-      logits = np.asarray(self._logits(self.state, hidden, jnp.asarray(batch.logits_indices)))
-      rows = [batch.request_ids.index(rid) for rid in out.sampling_request_ids]
       requests = {e.request.request_id: e.request for e in out.scheduled}
       params = [requests[rid].sampling_params for rid in out.sampling_request_ids]
-      steps = [len(requests[rid].output_token_ids) for rid in out.sampling_request_ids]
-      result = self.sampler.sample(logits[rows], params, steps)
-      for rid, token, logprob in zip(out.sampling_request_ids, result.token_ids, result.logprobs):
+      indices = sampling_logits_indices(batch, out.sampling_request_ids)
+      if all(p.is_greedy and p.logprobs is None for p in params):
+        # Greedy without logprobs: argmax on the device, only the token ids come back to the host.
+        token_ids, finite = (np.asarray(a) for a in self._greedy(self._state_leaves, hidden, indices))
+        check_finite_rows(finite[: len(params)])
+        token_ids, logprobs = token_ids[: len(params)], [None] * len(params)
+      else:
+        logits = np.asarray(self._logits(self._state_leaves, hidden, indices))[: len(params)]
+        steps = [len(requests[rid].output_token_ids) for rid in out.sampling_request_ids]
+        result = self.sampler.sample(logits, params, steps)
+        token_ids, logprobs = result.token_ids, result.logprobs
+      for rid, token, logprob in zip(out.sampling_request_ids, token_ids, logprobs):
         sampled[rid] = int(token)
         if logprob is not None:
           self._logprobs[rid].append(logprob)
@@ -253,6 +279,33 @@ class LLMEngine:
   def all_free(self) -> bool:
     """Leak check: every block and state slot is back in its pool."""
     return self.manager.all_free()
+
+
+def sampling_logits_indices(batch: BatchInputs, sampling_request_ids: Sequence[str]) -> np.ndarray:
+  """The hidden-state rows to compute logits for: each sampling request's last token, in `sampling_request_ids` order.
+
+  Only the requests that sample this step get logits (a chunked prefill that does not finish its prompt gets
+  none). The rows are padded to a power of two (repeating the first row) so the logits program compiles once per
+  bucket.
+
+  Returns:
+    `[next_power_of_two(len(sampling_request_ids))]` int32; the first `len(sampling_request_ids)` rows are real.
+  """
+  rows = [batch.request_ids.index(rid) for rid in sampling_request_ids]
+  indices = np.full((next_power_of_two(len(rows)),), batch.logits_indices[rows[0]], np.int32)
+  indices[: len(rows)] = batch.logits_indices[rows]
+  return indices
+
+
+def check_finite_rows(finite: np.ndarray) -> None:
+  """Raises like the sampler when a sampled row's logits are not all finite.
+
+  Raises:
+    ValueError: row i holds NaN or inf.
+  """
+  bad = np.flatnonzero(~finite)
+  if bad.size:
+    raise ValueError(f"logits row {int(bad[0])} holds non-finite values (NaN or inf); the model output is broken")
 
 
 def metadata_positions(metadata: AttentionMetadata | GroupedAttentionMetadata) -> jax.Array:

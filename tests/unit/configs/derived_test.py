@@ -157,6 +157,8 @@ def test_kv_shared_sources_pick_last_earlier_layer_of_same_type():
             r"mamba_block_size=24: must be 0 \(= block_size\) or a positive multiple of block_size=16",
         ),
         ({"mamba_block_size": -16}, r"mamba_block_size=-16: must be 0"),
+        ({"min_token_bucket": 12}, r"min_token_bucket=12: must be a power of two"),
+        ({"min_token_bucket": 0}, r"min_token_bucket=0"),
     ],
 )
 def test_inconsistent_combinations(kwargs, message):

@@ -46,9 +46,9 @@ def test_mixed_batch_decode_chunked_prefill_and_new_prefill(configs, make_specs)
 
   assert batch.request_ids == ("a", "b", "c") and batch.num_scheduled_tokens == (1, 3, 3)
   assert (batch.num_reqs, batch.num_tokens, batch.num_decodes) == (3, 7, 1)
-  assert (batch.padded_num_tokens, batch.padded_num_reqs) == (16, 8)
-  np.testing.assert_array_equal(batch.input_ids, [7, 31, 32, 33, 40, 41, 42] + [0] * 9)
-  np.testing.assert_array_equal(batch.positions, [5, 11, 12, 13, 0, 1, 2] + [0] * 9)
+  assert (batch.padded_num_tokens, batch.padded_num_reqs) == (8, 8)
+  np.testing.assert_array_equal(batch.input_ids, [7, 31, 32, 33, 40, 41, 42, 0])
+  np.testing.assert_array_equal(batch.positions, [5, 11, 12, 13, 0, 1, 2, 0])
   np.testing.assert_array_equal(batch.seq_lens, [6, 14, 3, 0, 0, 0, 0, 0])
   np.testing.assert_array_equal(batch.query_start_loc, [0, 1, 4, 7, 7, 7, 7, 7, 7])
   np.testing.assert_array_equal(batch.request_distribution, [1, 1, 3])
@@ -89,7 +89,7 @@ def test_sliding_group_table_has_null_entries_for_freed_blocks(configs, make_spe
   sliding, full = batch.block_tables
   np.testing.assert_array_equal(sliding, _table([[0, 0, 0, 4, 5, 1]], 16))
   np.testing.assert_array_equal(full, _table([[1, 2, 3, 4, 5, 6]], 16))
-  np.testing.assert_array_equal(batch.input_ids[:2], [9, 0])
+  np.testing.assert_array_equal(batch.input_ids, [9])  # one decode token: a bucket of one
   np.testing.assert_array_equal(batch.positions[:1], [20])
   np.testing.assert_array_equal(batch.seq_lens[:2], [21, 0])
   np.testing.assert_array_equal(batch.request_distribution, [1, 1, 1])
@@ -101,7 +101,7 @@ def test_empty_step_and_request_bucket_above_eight(configs, make_specs):
   cfg = configs["llama"](max_num_seqs=12, max_num_batched_tokens=64)
   scheduler, manager = _setup(cfg, make_specs)
   empty = build_batch(cfg, scheduler.schedule(), manager)
-  assert (empty.num_reqs, empty.padded_num_tokens, empty.padded_num_reqs) == (0, 16, 8)
+  assert (empty.num_reqs, empty.padded_num_tokens, empty.padded_num_reqs) == (0, 1, 8)
   np.testing.assert_array_equal(empty.query_start_loc, np.zeros(13))
   np.testing.assert_array_equal(empty.request_distribution, [0, 0, 0])
   for i in range(9):
@@ -130,6 +130,19 @@ def test_stale_plan_is_rejected(configs, make_specs):
 )
 def test_token_buckets(num_tokens, budget, expected):
   assert padded_num_tokens(num_tokens, budget) == expected
+
+
+@pytest.mark.parametrize("num_tokens, min_bucket, expected", [(0, 1, 1), (1, 1, 1), (3, 1, 4), (8, 1, 8), (3, 8, 8)])
+def test_token_buckets_below_sixteen(num_tokens, min_bucket, expected):
+  """The config's min_token_bucket (1 by default) lets a one-request decode run one token."""
+  assert padded_num_tokens(num_tokens, 256, min_bucket) == expected
+
+
+def test_min_token_bucket_sets_the_smallest_step(configs, make_specs):
+  cfg = configs["llama"](min_token_bucket=16)
+  scheduler, manager = _setup(cfg, make_specs)
+  scheduler.add_request(Request("a", [5, 6, 7]))
+  assert build_batch(cfg, scheduler.schedule(), manager).padded_num_tokens == 16
 
 
 @pytest.mark.parametrize("num_reqs, rows, expected", [(0, 8, 8), (8, 8, 8), (3, 16, 8), (9, 16, 16), (9, 12, 12)])

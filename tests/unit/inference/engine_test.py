@@ -3,15 +3,25 @@ that fail validation, and an interrupted `LLM.generate`. The reference for every
 alone in the same engine (nothing else queued), so only the runner's sharing of caches between requests is tested.
 """
 
+import types
+
 import numpy as np
 import pytest
 
 from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
-from maxtext.inference.engine import LLMEngine
+from maxtext.inference.engine import LLMEngine, check_finite_rows, sampling_logits_indices
 
-# Tiny shapes: one token bucket (16) and one request bucket (8), so each engine compiles its step once.
-RUNNER = {"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 4, "max_target_length": 48, "seed": 0}
+# Tiny shapes: one token bucket (16) and one request bucket (8), so each engine compiles its step once (and a
+# request's solo run and its batched run use the same matmul shapes, hence the same rounding).
+RUNNER = {
+    "block_size": 4,
+    "max_num_batched_tokens": 16,
+    "min_token_bucket": 16,
+    "max_num_seqs": 4,
+    "max_target_length": 48,
+    "seed": 0,
+}
 
 
 def _engine(name, **overrides):
@@ -141,3 +151,15 @@ def test_llm_abort_request_and_an_interrupted_generate_leave_nothing_behind(monk
   monkeypatch.undo()
   (out,) = llm.generate([[11, 12]], SamplingParams(max_tokens=3))  # the next call runs only its own request
   assert len(out.outputs[0].token_ids) == 3 and llm.engine.stats.aborted_requests == 3
+
+
+def test_logits_rows_are_the_sampling_requests_padded_to_a_power_of_two():
+  batch = types.SimpleNamespace(request_ids=("a", "b", "c"), logits_indices=np.array([0, 4, 9, 0, 0, 0, 0, 0]))
+  np.testing.assert_array_equal(sampling_logits_indices(batch, ["c"]), [9])
+  np.testing.assert_array_equal(sampling_logits_indices(batch, ["a", "c", "b"]), [0, 9, 4, 0])
+
+
+def test_greedy_on_device_rejects_non_finite_rows_like_the_sampler():
+  check_finite_rows(np.array([True, True]))
+  with pytest.raises(ValueError, match="logits row 1 holds non-finite values"):
+    check_finite_rows(np.array([True, False, False]))

@@ -246,7 +246,7 @@ def test_seeded_sampling_is_reproducible_across_engines_and_batches():
 
 
 def test_engine_stats_count_steps_tokens_and_compile_once_per_bucket():
-  llm = LLM(**OVERRIDES)
+  llm = LLM(**OVERRIDES, min_token_bucket=16)  # the runner's smallest bucket: decodes share the 16-token one
   stats = llm.engine.stats
   llm.generate([[3] * 5, [4] * 7], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=2)])
   # Step 1 prefills both prompts (12 tokens), then one decode step per further token of the longer request.

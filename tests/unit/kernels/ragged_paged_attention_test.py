@@ -379,3 +379,16 @@ def test_default_query_block_size_respects_the_budget():
   big = jax.ShapeDtypeStruct((2, 1024, 8, 1, 128), jnp.float32)
   per_token = 64 * 1024 * 8 * 128 * 12 + 2 * 64 * 1024 * 8 * 4
   assert rpa.default_query_block_size(4096, big, pages_per_seq=64, num_q_heads=8) == max(1, (64 << 20) // per_token)
+
+
+@pytest.mark.parametrize("num_requests", [0, 1])
+def test_one_token_batch(num_requests):
+  """T = 1 (the engine's bucket for a lone decode): the request's row is written in place, a padding token writes
+  nothing."""
+  b = _make_batch(12, ((9, 1),), num_tokens=1, max_reqs=4)
+  if num_requests == 0:
+    b = dataclasses.replace(b, cu_q_lens=np.zeros(5, np.int32), distribution=np.zeros(3, np.int32))
+  out, new_cache = _run(b, sm_scale=0.7)
+  _check(b, out, new_cache, sm_scale=0.7)
+  if num_requests == 0:
+    np.testing.assert_array_equal(np.asarray(new_cache), np.asarray(b.cache()))

@@ -3,8 +3,9 @@
 Supported model types: llama, qwen3, gemma3_text, qwen3_next, qwen3_5_text, qwen3_5_moe_text, granitemoehybrid
 (Granite 4.0), bamba, and the multimodal wrappers gemma3, qwen3_5 and qwen3_5_moe (their `text_config` is used;
 vision fields are ignored). Fields absent from the file take the default of the corresponding transformers config
-class (Hub configs, e.g. Gemma3's `text_config`, rely on those defaults). Both the v5 `rope_parameters` dict (per layer type for Gemma3) and the legacy
-top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` / `rope_local_base_freq` fields are accepted.
+class (Hub configs, e.g. Gemma3's `text_config`, rely on those defaults). Both the v5 `rope_parameters` dict (per
+layer type for Gemma3) and the legacy top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` /
+`rope_local_base_freq` fields are accepted.
 """
 
 import json

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from maxtext.kernels import ragged_batch
 
 
-def time_step(dt: jax.Array, dt_bias: jax.Array, time_step_limit: tuple[float, float]) -> jax.Array:
+def _time_step(dt: jax.Array, dt_bias: jax.Array, time_step_limit: tuple[float, float]) -> jax.Array:
   """`clip(softplus(dt + dt_bias), lo, hi)` in fp32 (`hi <= 0` means no upper limit)."""
   lo, hi = time_step_limit
   out = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias.astype(jnp.float32))
@@ -107,7 +107,7 @@ def ragged_mamba2(
   init_states = jnp.where(has_init[:, None, None, None], ssm_state[state_indices], 0.0)  # [S, nh, hd, N]
 
   xf = x.astype(jnp.float32)
-  delta = time_step(dt, dt_bias, time_step_limit)  # [T, nh]
+  delta = _time_step(dt, dt_bias, time_step_limit)  # [T, nh]
   decay = jnp.exp(delta * -jnp.exp(A_log.astype(jnp.float32)))  # [T, nh]
   bf = jnp.repeat(b.astype(jnp.float32), repeat, axis=1)  # [T, nh, N]
   cf = jnp.repeat(c.astype(jnp.float32), repeat, axis=1)

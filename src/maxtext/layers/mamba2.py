@@ -21,11 +21,18 @@ from maxtext.configs.layer_kinds import MAMBA, RECURRENT_CACHE
 from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.kernels.backend import KernelBackend
 from maxtext.kernels.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
-from maxtext.kernels.ragged_mamba2 import time_step
 from maxtext.layers.gated_delta_net import causal_conv1d
 from maxtext.layers.initializers import draw_key, fan_in_uniform, uniform
 from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.mixer import KV, Mixer, register_mixer
+
+
+def time_step(dt: jax.Array, dt_bias: jax.Array, time_step_limit: tuple[float, float]) -> jax.Array:
+  """`delta = clip(softplus(dt + dt_bias), lo, hi)` in fp32 (`hi <= 0`: no upper limit)."""
+  lo, hi = time_step_limit
+  out = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+  out = jnp.maximum(out, lo) if lo > 0 else out
+  return jnp.minimum(out, hi) if hi > 0 else out
 
 
 def _zero_state(x: jax.Array, b: jax.Array) -> jax.Array:

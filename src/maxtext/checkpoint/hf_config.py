@@ -48,7 +48,9 @@ _MAMBA_LAYER_NAMES = {
     "full_attention": "full_attention",
     "attention": "full_attention",
 }
-_LAYER_TYPES = tuple(MIXER_RECIPES)  # the layer kinds a Hugging Face checkpoint maps onto
+# The layer kinds a Hugging Face checkpoint of the non-Mamba families names in layer_types (Mamba2 hybrids name
+# theirs differently, see _MAMBA_LAYER_NAMES).
+_LAYER_TYPES = tuple(k for k in MIXER_RECIPES if k != "mamba")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 # Defaults of the transformers 5.x config classes for the fields read here (used when config.json omits them).

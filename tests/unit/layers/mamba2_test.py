@@ -159,25 +159,25 @@ def test_layer_spec_and_metadata_errors():
 
 def test_ragged_op_checks_shapes_and_state_dtype():
   t, s = 3, 2
-  args = dict(
-      x=jnp.zeros((t, NH, HD)),
-      dt=jnp.zeros((t, NH)),
-      b=jnp.zeros((t, G, N)),
-      c=jnp.zeros((t, G, N)),
-      A_log=jnp.zeros(NH),
-      D=jnp.zeros(NH),
-      dt_bias=jnp.zeros(NH),
-      ssm_state=jnp.zeros((3, NH, HD, N)),
-      state_indices=jnp.zeros(s, jnp.int32),
-      query_start_loc=jnp.asarray([0, 1, 3], jnp.int32),
-      seq_lens=jnp.asarray([1, 2], jnp.int32),
-      distribution=jnp.asarray([0, 0, 2], jnp.int32),
-  )
+  args = {
+      "x": jnp.zeros((t, NH, HD)),
+      "dt": jnp.zeros((t, NH)),
+      "b": jnp.zeros((t, G, N)),
+      "c": jnp.zeros((t, G, N)),
+      "A_log": jnp.zeros(NH),
+      "D": jnp.zeros(NH),
+      "dt_bias": jnp.zeros(NH),
+      "ssm_state": jnp.zeros((3, NH, HD, N)),
+      "state_indices": jnp.zeros(s, jnp.int32),
+      "query_start_loc": jnp.asarray([0, 1, 3], jnp.int32),
+      "seq_lens": jnp.asarray([1, 2], jnp.int32),
+      "distribution": jnp.asarray([0, 0, 2], jnp.int32),
+  }
   ragged_mamba2(**args)
   with pytest.raises(ValueError, match=r"dt must be \[T, nh\] = \(3, 4\)"):
-    ragged_mamba2(**dict(args, dt=jnp.zeros((t, NH + 1))))
+    ragged_mamba2(**{**args, "dt": jnp.zeros((t, NH + 1))})
   with pytest.raises(TypeError, match="ssm_state must be float32"):
-    ragged_mamba2(**dict(args, ssm_state=jnp.zeros((3, NH, HD, N), jnp.bfloat16)))
+    ragged_mamba2(**{**args, "ssm_state": jnp.zeros((3, NH, HD, N), jnp.bfloat16)})
   with pytest.raises(ValueError, match="time_step_limit must be"):
     ragged_mamba2(**args, time_step_limit=(1.0, 0.5))
 

@@ -1,10 +1,11 @@
 """Map a Hugging Face `config.json` to this package's config keys (configs/base.yml names).
 
-Supported model types: llama, qwen3, gemma3_text, qwen3_next, qwen3_5_text, qwen3_5_moe_text, and the multimodal
-wrappers gemma3, qwen3_5 and qwen3_5_moe (their `text_config` is used; vision fields are ignored). Fields absent from
-the file take the default of the corresponding transformers config class (Hub configs, e.g. Gemma3's
-`text_config`, rely on those defaults). Both the v5 `rope_parameters` dict (per layer type for Gemma3) and the legacy
-top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` / `rope_local_base_freq` fields are accepted.
+Supported model types: llama, qwen3, gemma3_text, qwen3_next, qwen3_5_text, qwen3_5_moe_text, granitemoehybrid
+(Granite 4.0), bamba, and the multimodal wrappers gemma3, qwen3_5 and qwen3_5_moe (their `text_config` is used;
+vision fields are ignored). Fields absent from the file take the default of the corresponding transformers config
+class (Hub configs, e.g. Gemma3's `text_config`, rely on those defaults). Both the v5 `rope_parameters` dict (per
+layer type for Gemma3) and the legacy top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` /
+`rope_local_base_freq` fields are accepted.
 """
 
 import json
@@ -25,6 +26,8 @@ DECODER_BLOCKS: dict[str, str] = {
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5",
+    "granitemoehybrid": "granite_hybrid",
+    "bamba": "bamba",
 }
 # multimodal model_type -> model_type of its text_config
 MULTIMODAL_TEXT_TYPES: dict[str, str] = {
@@ -37,7 +40,17 @@ SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 
 _HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _MOE_TYPES = ("qwen3_next", "qwen3_5_moe_text")
-_LAYER_TYPES = tuple(MIXER_RECIPES)  # the layer kinds a Hugging Face checkpoint maps onto
+_MAMBA_TYPES = ("granitemoehybrid", "bamba")
+# Hugging Face layer type names of the Mamba2 hybrids (transformers 5 names and the legacy ones) -> layer kinds.
+_MAMBA_LAYER_NAMES = {
+    "linear_attention": "mamba",
+    "mamba": "mamba",
+    "full_attention": "full_attention",
+    "attention": "full_attention",
+}
+# The layer kinds a Hugging Face checkpoint of the non-Mamba families names in layer_types (Mamba2 hybrids name
+# theirs differently, see _MAMBA_LAYER_NAMES).
+_LAYER_TYPES = tuple(k for k in MIXER_RECIPES if k != "mamba")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 # Defaults of the transformers 5.x config classes for the fields read here (used when config.json omits them).
@@ -154,6 +167,55 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "shared_expert_intermediate_size": 512,
         "max_position_embeddings": 32768,
     },
+    "granitemoehybrid": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "rope_theta": 10000.0,
+        "embedding_multiplier": 1.0,
+        "logits_scaling": 1.0,
+        "residual_multiplier": 1.0,
+        "attention_multiplier": 1.0,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 1024,
+        "position_embedding_type": None,
+        "mamba_n_heads": 128,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 256,
+        "mamba_d_head": "auto",
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 256,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "time_step_limit": None,
+    },
+    "bamba": {
+        "vocab_size": 128000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 262144,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "attn_layer_indices": None,
+        "mamba_n_heads": 128,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 256,
+        "mamba_d_head": "auto",
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 256,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "time_step_limit": None,
+    },
 }
 
 
@@ -226,6 +288,8 @@ def _text_config(hf_config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
 def _layer_types(fields: _Fields, num_layers: int) -> list[str]:
   """Per-layer kinds from `layer_types`, or derived as transformers derives them when absent."""
   model_type = fields.model_type
+  if model_type in _MAMBA_TYPES:
+    return _mamba_layer_types(fields, num_layers)
   given = fields.text.get("layer_types")
   if given is not None:
     if len(given) != num_layers or any(t not in _LAYER_TYPES for t in given):
@@ -243,6 +307,92 @@ def _layer_types(fields: _Fields, num_layers: int) -> list[str]:
     first_sliding = int(fields.get("max_window_layers"))
     return ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
   return ["full_attention"] * num_layers
+
+
+def _mamba_layer_types(fields: _Fields, num_layers: int) -> list[str]:
+  """Granite 4.0: `layer_types` (or the legacy `layers_block_type`), every layer mamba when absent, as
+  transformers does; Bamba: full attention at `attn_layer_indices`, mamba elsewhere."""
+  if fields.model_type == "bamba":
+    indices = fields.get("attn_layer_indices") or []
+    if any(not 0 <= int(i) < num_layers for i in indices):
+      raise ValueError(f"Hugging Face config attn_layer_indices must be layers in [0, {num_layers}), got {indices}")
+    return ["full_attention" if i in {int(j) for j in indices} else "mamba" for i in range(num_layers)]
+  given = fields.text.get("layer_types", fields.text.get("layers_block_type"))
+  if given is None:
+    return ["mamba"] * num_layers
+  if len(given) != num_layers or any(t not in _MAMBA_LAYER_NAMES for t in given):
+    raise ValueError(
+        f"Hugging Face config layer_types of model_type {fields.model_type!r} must list {num_layers} entries from"
+        f" {tuple(_MAMBA_LAYER_NAMES)}, got {list(given)}"
+    )
+  return [_MAMBA_LAYER_NAMES[t] for t in given]
+
+
+def _json_float(value: Any, key: str) -> float:
+  """A float of config.json; transformers writes non-finite ones as `{"__float__": "Infinity"}`."""
+  if isinstance(value, Mapping) and set(value) == {"__float__"}:
+    value = value["__float__"]
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"Hugging Face config {key} must hold numbers, got {value!r}") from None
+
+
+def _mamba_overrides(fields: _Fields, hidden: int) -> dict[str, Any]:
+  """The `mamba_*` keys (Granite 4.0 and Bamba share the Mamba2 fields)."""
+  heads = int(fields.require("mamba_n_heads"))
+  head_dim = fields.require("mamba_d_head")
+  if head_dim == "auto":
+    inner = int(fields.require("mamba_expand")) * hidden
+    if inner % heads:
+      raise ValueError(f"Hugging Face config mamba_n_heads={heads} must divide mamba_expand * hidden_size = {inner}")
+    head_dim = inner // heads
+  if fields.require("hidden_act") not in ("silu", "swish"):
+    raise NotImplementedError(
+        f"hidden_act={fields.get('hidden_act')!r} of Hugging Face model_type {fields.model_type!r} is not supported"
+        " (the Mamba2 conv activation is silu)"
+    )
+  limit = fields.get("time_step_limit") or (0.0, float("inf"))
+  if not isinstance(limit, (list, tuple)) or len(limit) != 2:
+    raise ValueError(f"Hugging Face config time_step_limit must be [min, max], got {limit!r}")
+  lo, hi = _json_float(limit[0], "time_step_limit"), _json_float(limit[1], "time_step_limit")
+  return {
+      "mamba_num_heads": heads,
+      "mamba_head_dim": int(head_dim),
+      "mamba_state_dim": int(fields.require("mamba_d_state")),
+      "mamba_num_groups": int(fields.require("mamba_n_groups")),
+      "mamba_conv_kernel_dim": int(fields.require("mamba_d_conv")),
+      "mamba_chunk_size": int(fields.require("mamba_chunk_size")),
+      "mamba_conv_bias": bool(fields.get("mamba_conv_bias")),
+      "mamba_proj_bias": bool(fields.get("mamba_proj_bias")),
+      "mamba_time_step_min": max(lo, 0.0),
+      "mamba_time_step_max": hi if hi != float("inf") else 0.0,
+  }
+
+
+def _granite_overrides(fields: _Fields) -> dict[str, Any]:
+  """Granite 4.0's multipliers, optional RoPE and its MoE (softmax over the top-k logits, i.e. renormalised top-k
+  probabilities) plus an ungated shared MLP; with no experts the shared MLP is the dense MLP."""
+  experts = int(fields.get("num_local_experts") or 0)
+  out: dict[str, Any] = {
+      "embedding_multiplier": float(fields.require("embedding_multiplier")),
+      "residual_multiplier": float(fields.require("residual_multiplier")),
+      "attention_multiplier": float(fields.require("attention_multiplier")),
+      "logits_scaling": float(fields.require("logits_scaling")),
+      "use_rope": fields.get("position_embedding_type") == "rope",
+      "num_experts": experts,
+  }
+  if experts > 0:
+    out["num_experts_per_tok"] = int(fields.require("num_experts_per_tok"))
+    out["base_moe_mlp_dim"] = int(fields.require("intermediate_size"))
+    out["shared_expert_mlp_dim"] = int(fields.require("shared_intermediate_size"))
+    out["shared_expert_gate"] = False
+    out["norm_topk_prob"] = True
+    out["decoder_sparse_step"] = 1
+    out["mlp_only_layers"] = []
+  else:
+    out["base_mlp_dim"] = int(fields.require("shared_intermediate_size"))
+  return out
 
 
 def _cycle_interval(layer_types: list[str], other_kind: str) -> int:
@@ -365,7 +515,7 @@ def hf_config_to_overrides(hf_config: Mapping[str, Any]) -> dict[str, Any]:
       "normalization_layer_epsilon": float(fields.require("rms_norm_eps")),
       "logits_via_embedding": bool(tie),
       "attention_bias": attention_bias,
-      "mlp_bias": bool(fields.get("mlp_bias")) if model_type == "llama" else False,
+      "mlp_bias": bool(fields.get("mlp_bias")) if model_type in ("llama", "bamba") else False,
   }
   if fields.get("intermediate_size") is not None:
     overrides["base_mlp_dim"] = int(fields.get("intermediate_size"))
@@ -385,6 +535,11 @@ def hf_config_to_overrides(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     overrides["gdn_key_head_dim"] = int(fields.require("linear_key_head_dim"))
     overrides["gdn_value_head_dim"] = int(fields.require("linear_value_head_dim"))
     overrides["gdn_conv_kernel_dim"] = int(fields.require("linear_conv_kernel_dim"))
+  if model_type in _MAMBA_TYPES:
+    overrides["inhomogeneous_layer_cycle_interval"] = _cycle_interval(layer_types, "mamba")
+    overrides.update(_mamba_overrides(fields, hidden))
+  if model_type == "granitemoehybrid":
+    overrides.update(_granite_overrides(fields))
   if model_type in _MOE_TYPES:
     overrides["num_experts"] = int(fields.require("num_experts"))
   if model_type in _MOE_TYPES and overrides["num_experts"] > 0:

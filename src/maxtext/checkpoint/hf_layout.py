@@ -7,6 +7,10 @@ produces one or more canonical parameters (docs/architecture.md names, kernels [
   - Qwen3-Next grouped in_proj_qkvz (rows per key head g: [q_g hk | k_g hk | v_g r*hv | z_g r*hv]) and in_proj_ba
     (rows per g: [b_g r | a_g r]) -> the flat Qwen3.5 layout qkv [q nk*hk | k nk*hk | v nv*hv], z, b, a.
   - conv1d.weight [C, 1, K] -> [K, C].
+  - Mamba2 in_proj [I + C + nh, D], rows [z I | xBC C | dt nh] -> z [D, I], xbc [D, C], dt [D, nh] (and its bias).
+  - Granite 4.0 fused MLPs: shared_mlp.input_linear [2 Fs, D] (gate rows first) -> gate, up [D, Fs];
+    block_sparse_moe experts (transformers 5 `experts.gate_up_proj` / `experts.down_proj`, or the original
+    `input_linear` / `output_linear`) as the fused MoE layout; the router as `router.weight` or `router.layer.weight`.
   - MoE experts, per-expert keys (`experts.{e}.gate_proj.weight`, as save_pretrained and the Hub write them) or the
     fused transformers 5 layout (`experts.gate_up_proj` [E, 2*Fe, D], `experts.down_proj` [E, D, Fe]) -> stacked
     [E, D, Fe] / [E, Fe, D], filled expert by expert into one preallocated array.
@@ -18,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from maxtext.configs.layer_kinds import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
+from maxtext.configs.layer_kinds import FULL_ATTENTION, LINEAR_ATTENTION, MAMBA, SLIDING_ATTENTION
 
 Shape = tuple[int, ...]
 # read(j) loads the j-th source tensor of a recipe in its stored dtype.
@@ -220,6 +224,68 @@ def _gated_delta_net(cfg: Any, i: int) -> list[Recipe]:
   ]
 
 
+def _split_rows(source: str, sizes: Sequence[int], hidden: int | None, targets: Sequence[str]) -> Recipe:
+  """A Linear weight [sum(sizes), D] (or its bias [sum(sizes)] when `hidden` is None) split by rows -> kernels
+  [D, size] (or biases [size]), one per target."""
+  total = sum(sizes)
+  bounds = np.cumsum([0, *sizes])
+
+  def convert(read: Reader, dt: Any) -> tuple[np.ndarray, ...]:
+    w = read(0)
+    parts = [w[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return tuple(_cast(part if hidden is None else part.T, dt) for part in parts)
+
+  if hidden is None:
+    return Recipe((source,), ((total,),), tuple((t, (n,)) for t, n in zip(targets, sizes)), convert)
+  return Recipe((source,), ((total, hidden),), tuple((t, (hidden, n)) for t, n in zip(targets, sizes)), convert)
+
+
+def _mamba2(cfg: Any, i: int) -> list[Recipe]:
+  p, c = f"model.layers.{i}.mamba.", f"layers.{i}.mamba."
+  d, nh, inner, conv_dim = cfg.base_emb_dim, cfg.mamba_num_heads, cfg.mamba_inner_dim, cfg.mamba_conv_dim
+  names = (c + "z", c + "xbc", c + "dt")
+  recipes = [
+      _split_rows(p + "in_proj.weight", (inner, conv_dim, nh), d, [n + ".kernel" for n in names]),
+      _conv(p + "conv1d.weight", conv_dim, cfg.mamba_conv_kernel_dim, c + "conv.kernel"),
+      _same(p + "A_log", (nh,), c + "A_log"),
+      _same(p + "D", (nh,), c + "D"),
+      _same(p + "dt_bias", (nh,), c + "dt_bias"),
+      _same(p + "norm.weight", (inner,), c + "norm.scale"),
+      _linear(p + "out_proj.weight", d, inner, c + "out.kernel"),
+  ]
+  if cfg.mamba_conv_bias:
+    recipes.append(_same(p + "conv1d.bias", (conv_dim,), c + "conv.bias"))
+  if cfg.mamba_proj_bias:
+    recipes.append(_split_rows(p + "in_proj.bias", (inner, conv_dim, nh), None, [n + ".bias" for n in names]))
+    recipes.append(_same(p + "out_proj.bias", (d,), c + "out.bias"))
+  return recipes
+
+
+def _granite_ffn(cfg: Any, i: int, available: Collection[str]) -> list[Recipe]:
+  """Granite 4.0: the shared MLP (fused input_linear) and, with experts, the routed experts beside it."""
+  p = f"model.layers.{i}."
+  d = cfg.base_emb_dim
+  if not cfg.moe_layers[i]:
+    c, f = f"layers.{i}.mlp.", cfg.base_mlp_dim
+    return [
+        _split_rows(p + "shared_mlp.input_linear.weight", (f, f), d, [c + "gate.kernel", c + "up.kernel"]),
+        _linear(p + "shared_mlp.output_linear.weight", d, f, c + "down.kernel"),
+    ]
+  m, c = p + "block_sparse_moe.", f"layers.{i}.moe."
+  e, fe, fs = cfg.num_experts, cfg.base_moe_mlp_dim, cfg.shared_expert_mlp_dim
+  router = m + "router.layer.weight" if m + "router.layer.weight" in available else m + "router.weight"
+  fused = m + "input_linear.weight" in available
+  gate_up = m + "input_linear.weight" if fused else m + "experts.gate_up_proj"
+  down = m + "output_linear.weight" if fused else m + "experts.down_proj"
+  return [
+      _linear(router, e, d, c + "router.kernel"),
+      _fused_gate_up(gate_up, e, fe, d, c + "gate", c + "up"),
+      _fused_down(down, e, fe, d, c + "down"),
+      _split_rows(p + "shared_mlp.input_linear.weight", (fs, fs), d, [c + "shared.gate.kernel", c + "shared.up.kernel"]),
+      _linear(p + "shared_mlp.output_linear.weight", d, fs, c + "shared.down.kernel"),
+  ]
+
+
 def _dense_mlp(prefix: str, canonical: str, hidden: int, mlp_dim: int, bias: bool) -> list[Recipe]:
   recipes = [
       _linear(prefix + "gate_proj.weight", mlp_dim, hidden, canonical + "gate.kernel"),
@@ -262,6 +328,7 @@ MIXER_RECIPES: dict[str, Callable[[Any, int], list[Recipe]]] = {
     FULL_ATTENTION: _attention,
     SLIDING_ATTENTION: _attention,
     LINEAR_ATTENTION: _gated_delta_net,
+    MAMBA: _mamba2,
 }
 
 
@@ -289,6 +356,7 @@ def build_recipes(cfg: Any, available: Collection[str] = ()) -> list[Recipe]:
       layer kind without a checkpoint mapping.
   """
   d, v = cfg.base_emb_dim, cfg.vocab_size
+  bamba = cfg.decoder_block == "bamba"
   recipes = [_same("model.embed_tokens.weight", (v, d), "embedder.embedding")]
   for i, kind in enumerate(cfg.layer_types):
     p, c = f"model.layers.{i}.", f"layers.{i}."
@@ -300,13 +368,18 @@ def build_recipes(cfg: Any, available: Collection[str] = ()) -> list[Recipe]:
           _same(p + "post_feedforward_layernorm.weight", (d,), c + "post_mlp_norm.scale"),
       ]
     else:
-      recipes.append(_same(p + "post_attention_layernorm.weight", (d,), c + "pre_mlp_norm.scale"))
+      pre_mlp = "pre_ff_layernorm" if bamba else "post_attention_layernorm"
+      recipes.append(_same(p + pre_mlp + ".weight", (d,), c + "pre_mlp_norm.scale"))
     recipes += _mixer_recipes(cfg, i, kind)
-    if cfg.moe_layers[i]:
+    if cfg.decoder_block == "granite_hybrid":
+      recipes += _granite_ffn(cfg, i, available)
+    elif bamba:
+      recipes += _dense_mlp(p + "feed_forward.", c + "mlp.", d, cfg.base_mlp_dim, cfg.mlp_bias)
+    elif cfg.moe_layers[i]:
       recipes += _moe(cfg, i, available)
     else:
       recipes += _dense_mlp(p + "mlp.", c + "mlp.", d, cfg.base_mlp_dim, cfg.mlp_bias)
-  recipes.append(_same("model.norm.weight", (d,), "final_norm.scale"))
+  recipes.append(_same("model.final_layernorm.weight" if bamba else "model.norm.weight", (d,), "final_norm.scale"))
   if not cfg.logits_via_embedding:
     recipes.append(_linear("lm_head.weight", v, d, "lm_head.kernel"))
   return recipes

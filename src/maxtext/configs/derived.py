@@ -7,7 +7,9 @@ Derived values (added to the loaded config):
   moe_layers                per layer: whether the MLP is a mixture of experts.
   use_qk_norm, use_zero_centered_norm, use_sandwich_norm, use_embedding_scale, use_attention_output_gate:
                             family traits of `decoder_block`.
-  rotary_dim, attention_scale, gdn_conv_dim.
+  rotary_dim, attention_scale (`attention_multiplier` when set), gdn_conv_dim.
+  mamba_inner_dim           nh * hd, the Mamba2 inner size (x channels, z, gated norm, out_proj input).
+  mamba_conv_dim            inner + 2 * G * N, the conv channels `[x | B | C]`.
 """
 
 from __future__ import annotations
@@ -18,9 +20,16 @@ from typing import Any
 
 from maxtext.configs import layer_kinds
 from maxtext.configs.errors import ConfigError
-from maxtext.configs.layer_kinds import FULL_ATTENTION, HYBRID_GDN_BLOCKS, LINEAR_ATTENTION, SLIDING_ATTENTION
+from maxtext.configs.layer_kinds import (
+    FULL_ATTENTION,
+    HYBRID_GDN_BLOCKS,
+    HYBRID_MAMBA_BLOCKS,
+    LINEAR_ATTENTION,
+    MAMBA,
+    SLIDING_ATTENTION,
+)
 
-DECODER_BLOCKS = ("llama2", "qwen3", "gemma3", "qwen3_next", "qwen3_5")
+DECODER_BLOCKS = ("llama2", "qwen3", "gemma3", "qwen3_next", "qwen3_5") + HYBRID_MAMBA_BLOCKS
 DTYPES = ("float32", "bfloat16")
 # Physical orders of the reference runner's cache list (see inference/kv_cache_manager.py).
 KV_CACHE_LAYOUTS = ("layer", "hybrid", "shuffled")
@@ -51,6 +60,15 @@ _POSITIVE = (
     "gdn_value_head_dim",
     "gdn_conv_kernel_dim",
     "gdn_chunk_size",
+    "mamba_num_heads",
+    "mamba_head_dim",
+    "mamba_state_dim",
+    "mamba_num_groups",
+    "mamba_conv_kernel_dim",
+    "mamba_chunk_size",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "logits_scaling",
     "num_experts_per_tok",
     "decoder_sparse_step",
     "block_size",
@@ -78,6 +96,9 @@ _NON_NEGATIVE = (
     "decode_sampling_temperature",
     "seed",
     "init_seed",
+    "mamba_time_step_min",
+    "mamba_time_step_max",
+    "attention_multiplier",
 )
 
 
@@ -94,6 +115,8 @@ def default_layer_types(values: Mapping[str, Any]) -> tuple[str, ...]:
     other = SLIDING_ATTENTION
   elif block in HYBRID_GDN_BLOCKS:
     other = LINEAR_ATTENTION
+  elif block in HYBRID_MAMBA_BLOCKS:
+    other = MAMBA
   else:
     return (FULL_ATTENTION,) * n
   return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else other for i in range(n))
@@ -150,6 +173,16 @@ def validate(values: Mapping[str, Any]) -> None:
   nk, nv = values["gdn_num_key_heads"], values["gdn_num_value_heads"]
   if nv % nk:
     raise _fail("gdn_num_value_heads", nv, f"must be divisible by gdn_num_key_heads={nk}")
+  mh, mg = values["mamba_num_heads"], values["mamba_num_groups"]
+  if mh % mg:
+    raise _fail("mamba_num_heads", mh, f"must be divisible by mamba_num_groups={mg}")
+  if values["mamba_conv_kernel_dim"] < 2:
+    raise _fail(
+        "mamba_conv_kernel_dim", values["mamba_conv_kernel_dim"], "must be >= 2 (the conv state keeps K - 1 rows)"
+    )
+  dt_min, dt_max = values["mamba_time_step_min"], values["mamba_time_step_max"]
+  if 0 < dt_max < dt_min:
+    raise _fail("mamba_time_step_max", dt_max, f"must be 0 (no limit) or >= mamba_time_step_min={dt_min}")
 
   acts = values["mlp_activations"]
   if len(acts) != 2 or acts[0] not in ("silu", "gelu_tanh") or acts[1] != "linear":
@@ -258,6 +291,7 @@ def derive(values: Mapping[str, Any]) -> dict[str, Any]:
   )
   scalar = values["query_pre_attn_scalar"]
   nk, nv = values["gdn_num_key_heads"], values["gdn_num_value_heads"]
+  mamba_inner = values["mamba_num_heads"] * values["mamba_head_dim"]
   return {
       "layer_types": layer_types,
       "kv_shared_source": kv_shared_sources(layer_types, values["num_kv_shared_layers"]),
@@ -268,6 +302,12 @@ def derive(values: Mapping[str, Any]) -> dict[str, Any]:
       "use_embedding_scale": block == "gemma3",
       "use_attention_output_gate": block in HYBRID_GDN_BLOCKS,
       "rotary_dim": int(values["head_dim"] * values["partial_rotary_factor"]),
-      "attention_scale": (scalar if scalar > 0 else values["head_dim"]) ** -0.5,
+      "attention_scale": (
+          values["attention_multiplier"]
+          if values["attention_multiplier"] > 0
+          else (scalar if scalar > 0 else values["head_dim"]) ** -0.5
+      ),
       "gdn_conv_dim": 2 * nk * values["gdn_key_head_dim"] + nv * values["gdn_value_head_dim"],
+      "mamba_inner_dim": mamba_inner,
+      "mamba_conv_dim": mamba_inner + 2 * values["mamba_num_groups"] * values["mamba_state_dim"],
   }

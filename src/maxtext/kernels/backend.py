@@ -1,10 +1,12 @@
 """The kernel backend: the one place through which layers reach every runner op.
 
-A backend serves three ops on the paged (runner) path:
+A backend serves four ops on the paged (runner) path:
   - `ragged_paged_attention`: tpu-inference's `sharded_ragged_paged_attention` argument order, without the mesh
     (the backend holds it);
   - `gdn_attention`: the whole Gated DeltaNet core (causal conv over the state slots, SiLU, gated delta rule) in
     the argument order of tpu-inference's `run_jax_gdn_attention`, again with the mesh held by the backend;
+  - `mamba2_attention`: the whole Mamba2 core (causal conv with bias over the state slots, SiLU, the selective
+    state scan with the D skip), with the same per-request state metadata as `gdn_attention`;
   - `moe_experts`: the routed-expert computation of a mixture of experts.
 So a TPU backend is a thin wrapper around the runner's own kernels. The config key `kernel_backend` names the
 backend (`reference`, the pure-JAX ops of this package, by default); `get_backend(name, mesh)` builds it, and the
@@ -23,6 +25,7 @@ from maxtext.configs.errors import ConfigError
 from maxtext.kernels import experts, moe
 from maxtext.kernels.ragged_conv1d import ragged_conv1d
 from maxtext.kernels.ragged_gated_delta_rule import ragged_gated_delta_rule
+from maxtext.kernels.ragged_mamba2 import ragged_mamba2
 from maxtext.kernels.ragged_paged_attention import ragged_paged_attention
 
 REFERENCE = "reference"
@@ -40,7 +43,7 @@ EXPERT_METHODS = tuple(_EXPERT_FNS)
 
 
 class KernelBackend(abc.ABC):
-  """The ops of the paged path; a backend implements all three. `mesh` is the device mesh (or None)."""
+  """The ops of the paged path; a backend implements all four. `mesh` is the device mesh (or None)."""
 
   name = "abstract"
 
@@ -136,6 +139,50 @@ class KernelBackend(abc.ABC):
 
     Returns:
       `((conv_state, recurrent_state), out [T, nv * dv])`.
+    """
+
+  @abc.abstractmethod
+  def mamba2_attention(  # pylint: disable=too-many-positional-arguments
+      self,
+      xbc: jax.Array,
+      dt: jax.Array,
+      conv_state: jax.Array,
+      ssm_state: jax.Array,
+      conv_weight: jax.Array,
+      conv_bias: jax.Array | None,
+      A_log: jax.Array,  # pylint: disable=invalid-name  # the checkpoint's parameter name
+      D: jax.Array,  # pylint: disable=invalid-name  # the checkpoint's parameter name
+      dt_bias: jax.Array,
+      state_indices: jax.Array,
+      query_start_loc: jax.Array,
+      distribution: jax.Array,
+      seq_lens: jax.Array,
+      n_heads: int,
+      head_dim: int,
+      n_groups: int,
+      state_dim: int,
+      kernel_size: int,
+      time_step_limit: tuple[float, float] = (0.0, 0.0),
+  ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """Mamba2 over a ragged batch, each request continuing from its state slot.
+
+    Args:
+      xbc: `[T, C]` projected `[x nh*hd | B G*N | C G*N]` before the conv.
+      dt: `[T, nh]` time-step projections.
+      conv_state: `[M, K-1, C]`.
+      ssm_state: `[M, nh, hd, N]` fp32.
+      conv_weight: `[C, 1, K]` depthwise conv weight (the runner's layout).
+      conv_bias: `[C]` or None.
+      A_log, D, dt_bias: `[nh]`.
+      state_indices: `[S]` state slot of each request (0: the null slot).
+      query_start_loc: `[S + 1]`.
+      distribution: `[3]`.
+      seq_lens: `[S]` (a request has an initial state iff `seq_len > q_len`).
+      n_heads, head_dim, n_groups, state_dim, kernel_size: sizes.
+      time_step_limit: `(lo, hi)` clamp of softplus(dt + dt_bias) (`hi = 0`: none).
+
+    Returns:
+      `((conv_state, ssm_state), y [T, nh * hd])`, y including the D skip (before the gated norm).
     """
 
   @abc.abstractmethod
@@ -236,6 +283,44 @@ class ReferenceBackend(KernelBackend):
     v = conv_out[:, 2 * nkk :].reshape(t, n_v, d_v)
     out, recurrent_state = ragged_gated_delta_rule(q, k, v, b, a, A_log, dt_bias, recurrent_state, *args)
     return (conv_state, recurrent_state), out.reshape(t, n_v * d_v)
+
+  def mamba2_attention(  # pylint: disable=too-many-positional-arguments
+      self,
+      xbc,
+      dt,
+      conv_state,
+      ssm_state,
+      conv_weight,
+      conv_bias,
+      A_log,
+      D,
+      dt_bias,
+      state_indices,
+      query_start_loc,
+      distribution,
+      seq_lens,
+      n_heads,
+      head_dim,
+      n_groups,
+      state_dim,
+      kernel_size,
+      time_step_limit=(0.0, 0.0),
+  ):
+    if conv_weight.shape[-1] != kernel_size:
+      raise ValueError(f"mamba2_attention: conv_weight {conv_weight.shape} must be [C, 1, kernel_size={kernel_size}]")
+    inner, bc = n_heads * head_dim, n_groups * state_dim
+    if xbc.ndim != 2 or xbc.shape[1] != inner + 2 * bc:
+      raise ValueError(
+          f"mamba2_attention: xbc must be [T, nh*hd + 2*G*N] = [T, {inner + 2 * bc}]; got {tuple(xbc.shape)}"
+      )
+    args = (state_indices, query_start_loc, seq_lens, distribution)
+    conv_out, conv_state = ragged_conv1d(xbc, conv_state, conv_weight, conv_bias, *args)
+    t = conv_out.shape[0]
+    x = conv_out[:, :inner].reshape(t, n_heads, head_dim)
+    b = conv_out[:, inner : inner + bc].reshape(t, n_groups, state_dim)
+    c = conv_out[:, inner + bc :].reshape(t, n_groups, state_dim)
+    y, ssm_state = ragged_mamba2(x, dt, b, c, A_log, D, dt_bias, ssm_state, *args, time_step_limit)
+    return (conv_state, ssm_state), y.reshape(t, inner)
 
   def moe_experts(  # pylint: disable=too-many-positional-arguments
       self, x, weights, indices, w_gate, w_up, w_down, *, activation, dtype, method="tiled"

@@ -1,7 +1,7 @@
 """Grouped-query attention with the variants of the supported families.
 
-Variants: q/k RMSNorm before RoPE, partial RoPE, per-head sigmoid output gate (Qwen3-Next/3.5), sliding window,
-tanh logit soft cap, projection biases, and KV-shared layers that read K/V computed by a source layer.
+Variants: q/k RMSNorm before RoPE, partial RoPE or none (NoPE), per-head sigmoid output gate (Qwen3-Next/3.5),
+sliding window, tanh logit soft cap, projection biases, and KV-shared layers that read K/V computed by a source layer.
 
 The module splits into `query`, `key_value`, `attend` (the core op) and `output` so that the paged path replaces
 only the core op with the kernel backend's ragged paged attention while reusing projections, norms, RoPE and gates.
@@ -113,7 +113,7 @@ class Attention(Mixer):
       num_kv_heads: int,
       head_dim: int,
       attention_scale: float,
-      rope: RopeSpec,
+      rope: RopeSpec | None,
       sliding_window: int = 0,
       soft_cap: float = 0.0,
       use_bias: bool = False,
@@ -131,7 +131,7 @@ class Attention(Mixer):
       raise ValueError(
           f"num_query_heads ({num_query_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
       )
-    if rope.rotary_dim > head_dim:
+    if rope is not None and rope.rotary_dim > head_dim:
       raise ValueError(f"rotary_dim {rope.rotary_dim} must not exceed head_dim {head_dim}")
     if sliding_window < 0:
       raise ValueError(f"sliding_window must be >= 0, got {sliding_window}")
@@ -175,7 +175,7 @@ class Attention(Mixer):
         num_kv_heads=cfg.base_num_kv_heads,
         head_dim=cfg.head_dim,
         attention_scale=cfg.attention_scale,
-        rope=rope_spec(cfg, layer_type),
+        rope=rope_spec(cfg, layer_type) if cfg.use_rope else None,
         sliding_window=cfg.sliding_window_size if layer_type == SLIDING_ATTENTION else 0,
         soft_cap=cfg.attn_logits_soft_cap,
         use_bias=cfg.attention_bias,
@@ -223,7 +223,7 @@ class Attention(Mixer):
     q = self.q(x)
     if self.q_norm is not None:
       q = self.q_norm(q)
-    return apply_rope(q, positions, self.rope)
+    return q if self.rope is None else apply_rope(q, positions, self.rope)
 
   def key_value(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Keys (k-norm, RoPE) and values: `[..., T, D] -> ([..., T, Hkv, Dh], [..., T, Hkv, Dh])`."""
@@ -232,7 +232,7 @@ class Attention(Mixer):
     k = self.k(x)
     if self.k_norm is not None:
       k = self.k_norm(k)
-    return apply_rope(k, positions, self.rope), self.v(x)
+    return (k if self.rope is None else apply_rope(k, positions, self.rope)), self.v(x)
 
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Dense causal core op over a full sequence: `[B, T, Hq, Dh]`, `[B, T, Hkv, Dh]` x2 -> `[B, T, Hq, Dh]`."""

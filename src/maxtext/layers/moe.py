@@ -1,4 +1,4 @@
-"""Mixture of experts: softmax top-k router, stacked SwiGLU experts, optional sigmoid-gated shared expert.
+"""Mixture of experts: softmax top-k router, stacked SwiGLU experts, optional shared expert (sigmoid-gated or plain).
 
 The routed-expert computation itself is the kernel backend's `moe_experts` op.
 """
@@ -38,7 +38,8 @@ class MoE(nnx.Module):
   """Routed experts plus an optional shared expert.
 
   Parameters: `router.kernel [D, E]`, `gate [E, D, Fe]`, `up [E, D, Fe]`, `down [E, Fe, D]`, and when
-  `shared_mlp_dim > 0`: `shared.{gate,up,down}.kernel`, `shared_gate.kernel [D, 1]`.
+  `shared_mlp_dim > 0`: `shared.{gate,up,down}.kernel` and, with `gate_shared` (Qwen3-Next), `shared_gate.kernel
+  [D, 1]` (without it, Granite 4.0, the shared expert's output is added as it is).
   """
 
   def __init__(
@@ -49,6 +50,7 @@ class MoE(nnx.Module):
       moe_mlp_dim: int,
       *,
       shared_mlp_dim: int = 0,
+      gate_shared: bool = True,
       normalize_top_k: bool = True,
       activation: str = "silu",
       method: str = "tiled",
@@ -75,7 +77,9 @@ class MoE(nnx.Module):
     self.down = nnx.Param(fan_in_uniform(draw_key(rngs), (num_experts, moe_mlp_dim, emb_dim), weight_dtype, moe_mlp_dim))
     if shared_mlp_dim > 0:
       self.shared = MLP(emb_dim, shared_mlp_dim, activation=activation, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
-      self.shared_gate = DenseGeneral(emb_dim, 1, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
+      self.shared_gate = (
+          DenseGeneral(emb_dim, 1, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs) if gate_shared else None
+      )
     else:
       self.shared = None
       self.shared_gate = None
@@ -99,6 +103,8 @@ class MoE(nnx.Module):
         dtype=self.dtype,
         method=self.method,
     )
-    if self.shared is not None:
+    if self.shared is not None and self.shared_gate is not None:
       y = y + jax.nn.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+    elif self.shared is not None:
+      y = y + self.shared(flat)
     return y.reshape(*lead, y.shape[-1])

@@ -17,7 +17,7 @@ from maxtext.layers.normalizations import RMSNorm
 
 class DecoderLayer(nnx.Module):
   """Decoder layer `layers.{i}` with `input_norm`, the mixer of its layer kind (held as the mixer's `param_name`,
-  e.g. `attn` or `gdn`), `pre_mlp_norm`, `mlp` | `moe`, and for sandwich-norm families (Gemma3) `post_attn_norm`
+  e.g. `attn`, `gdn` or `mamba`), `pre_mlp_norm`, `mlp` | `moe`, and for sandwich-norm families (Gemma3) `post_attn_norm`
   and `post_mlp_norm`."""
 
   def __init__(self, cfg: ml_collections.FrozenConfigDict, layer_index: int, *, rngs: nnx.Rngs):
@@ -26,6 +26,7 @@ class DecoderLayer(nnx.Module):
     self.layer_index = layer_index
     self.layer_type = cfg.layer_types[layer_index]
     self.kv_source = cfg.kv_shared_source[layer_index]
+    self.residual_multiplier = float(cfg.residual_multiplier)
     dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     d = cfg.base_emb_dim
     norm_kw = {
@@ -50,6 +51,7 @@ class DecoderLayer(nnx.Module):
           cfg.num_experts_per_tok,
           cfg.base_moe_mlp_dim,
           shared_mlp_dim=cfg.shared_expert_mlp_dim,
+          gate_shared=cfg.shared_expert_gate,
           normalize_top_k=cfg.norm_topk_prob,
           activation=activation,
           **kw,
@@ -67,18 +69,22 @@ class DecoderLayer(nnx.Module):
     """Dense MLP or MoE (its experts on `backend`): `[..., D] -> [..., D]`."""
     return self.mlp(x) if self.mlp is not None else self.moe(x, backend)
 
+  def _scaled(self, y: jax.Array) -> jax.Array:
+    """A branch output times `residual_multiplier` (Granite 4.0), before it joins the residual stream."""
+    return y if self.residual_multiplier == 1.0 else y * jnp.asarray(self.residual_multiplier, y.dtype)
+
   def residual_mixer(self, x: jax.Array, mixed: jax.Array) -> jax.Array:
-    """Adds the mixer output (after the sandwich post-norm if any) to the residual stream."""
+    """Adds the mixer output (after the sandwich post-norm if any, times `residual_multiplier`) to the residual."""
     if self.post_attn_norm is not None:
       mixed = self.post_attn_norm(mixed)
-    return x + mixed
+    return x + self._scaled(mixed)
 
   def residual_feed_forward(self, x: jax.Array, backend: KernelBackend | None = None) -> jax.Array:
-    """`x + [post_mlp_norm](ffn(pre_mlp_norm(x)))`."""
+    """`x + residual_multiplier * [post_mlp_norm](ffn(pre_mlp_norm(x)))`."""
     y = self.feed_forward(self.pre_mlp_norm(x), backend)
     if self.post_mlp_norm is not None:
       y = self.post_mlp_norm(y)
-    return x + y
+    return x + self._scaled(y)
 
   def paged(
       self,

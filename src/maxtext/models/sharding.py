@@ -56,6 +56,15 @@ _PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"gdn\.(A_log|dt_bias)", ("gdn_heads",)),
     (r"gdn\.norm\.scale", (None,)),
     (r"gdn\.out\.kernel", ("gdn_values", "embed")),
+    # Mamba2 parameters stay replicated over the model axis (its grouped [x | B | C] channels have no per-shard
+    # layout here); only the hidden axis follows `embed`.
+    (r"mamba\.(z|xbc|dt)\.kernel", ("embed", None)),
+    (r"mamba\.(z|xbc|dt|conv)\.bias", (None,)),
+    (r"mamba\.conv\.kernel", (None, None)),
+    (r"mamba\.(A_log|D|dt_bias)", (None,)),
+    (r"mamba\.norm\.scale", (None,)),
+    (r"mamba\.out\.kernel", (None, "embed")),
+    (r"mamba\.out\.bias", ("embed",)),
     (r"(mlp|moe\.shared)\.(gate|up)\.kernel", ("embed", "mlp")),
     (r"(mlp|moe\.shared)\.down\.kernel", ("mlp", "embed")),
     (r"mlp\.(gate|up)\.bias", ("mlp",)),

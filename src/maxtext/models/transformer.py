@@ -1,4 +1,5 @@
-"""Hybrid decoder-only transformer built from `cfg.layer_types` (Llama, Qwen3, Gemma3, Qwen3-Next, Qwen3.5)."""
+"""Hybrid decoder-only transformer built from `cfg.layer_types` (Llama, Qwen3, Gemma3, Qwen3-Next, Qwen3.5,
+Granite 4.0, Bamba)."""
 
 import math
 from collections.abc import Sequence
@@ -43,10 +44,14 @@ class Transformer(nnx.Module):
     else:
       self.lm_head = DenseGeneral(d, cfg.vocab_size, dtype=self.dtype, weight_dtype=weight_dtype, rngs=rngs)
     self.final_logits_soft_cap = float(cfg.final_logits_soft_cap)
+    self.embedding_multiplier = float(cfg.embedding_multiplier)
+    self.logits_scaling = float(cfg.logits_scaling)
 
   def embed(self, tokens: jax.Array) -> jax.Array:
-    """Token embeddings `[...]` -> `[..., D]` (Gemma3: scaled by sqrt(D) in the weight dtype)."""
-    return self.embedder(tokens)
+    """Token embeddings `[...]` -> `[..., D]` (Gemma3: scaled by sqrt(D) in the weight dtype; Granite: times
+    `embedding_multiplier`)."""
+    x = self.embedder(tokens)
+    return x if self.embedding_multiplier == 1.0 else x * jnp.asarray(self.embedding_multiplier, x.dtype)
 
   def decode_hidden(self, x: jax.Array, positions: jax.Array | None = None, *, gdn_chunked: bool = True) -> jax.Array:
     """Runs every layer over a full causal sequence and the final norm.
@@ -121,11 +126,14 @@ class Transformer(nnx.Module):
     return self.final_norm(x), new_caches
 
   def compute_logits(self, hidden: jax.Array) -> jax.Array:
-    """Output head (tied or untied) and the optional final tanh soft cap: `[..., D] -> [..., V]`."""
+    """Output head (tied or untied), divided by `logits_scaling` (Granite), and the optional final tanh soft cap:
+    `[..., D] -> [..., V]`."""
     if self.lm_head is None:
       logits = self.embedder.attend(hidden)
     else:
       logits = self.lm_head(hidden)
+    if self.logits_scaling != 1.0:
+      logits = logits / jnp.asarray(self.logits_scaling, logits.dtype)
     if self.final_logits_soft_cap > 0:
       cap = self.final_logits_soft_cap
       logits = jnp.tanh(logits / cap) * cap

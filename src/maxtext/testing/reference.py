@@ -184,6 +184,61 @@ def gated_delta_net(
   return o.reshape(t, nv * hv) @ f64(p[prefix + "out.kernel"])
 
 
+def mamba2(
+    x: np.ndarray,
+    p: Params,
+    prefix: str,
+    *,
+    nh: int,
+    hd: int,
+    n: int,
+    g: int,
+    eps: float,
+    dt_limit: tuple[float, float] = (0.0, 0.0),
+) -> np.ndarray:
+  """One sequence `x [T, D]` through a Mamba2 layer, token by token (`dt_limit[1] = 0`: no upper clamp).
+
+  Returns `[T, D]`.
+  """
+  x = f64(x)
+  t = x.shape[0]
+
+  def proj(name, inp):
+    y = inp @ f64(p[f"{prefix}{name}.kernel"])
+    return y + f64(p[f"{prefix}{name}.bias"]) if f"{prefix}{name}.bias" in p else y
+
+  z, xbc, dt = proj("z", x), proj("xbc", x), proj("dt", x)
+  conv_w = f64(p[prefix + "conv.kernel"])  # [K, C]
+  width = conv_w.shape[0]
+  conv = np.zeros_like(xbc) + (f64(p[prefix + "conv.bias"]) if prefix + "conv.bias" in p else 0.0)
+  for i in range(t):
+    for j in range(width):
+      src = i - (width - 1) + j
+      if src >= 0:
+        conv[i] += conv_w[j] * xbc[src]
+  conv = silu(conv)
+  inner = nh * hd
+  xs = conv[:, :inner].reshape(t, nh, hd)
+  b = conv[:, inner : inner + g * n].reshape(t, g, n)
+  c = conv[:, inner + g * n :].reshape(t, g, n)
+  delta = np.log1p(np.exp(dt + f64(p[prefix + "dt_bias"])))
+  delta = np.maximum(delta, dt_limit[0])
+  if dt_limit[1] > 0:
+    delta = np.minimum(delta, dt_limit[1])
+  a = -np.exp(f64(p[prefix + "A_log"]))
+  d = f64(p[prefix + "D"])
+  y = np.zeros((t, nh, hd))
+  for h in range(nh):
+    s = np.zeros((hd, n))
+    grp = h // (nh // g)
+    for i in range(t):
+      s = np.exp(delta[i, h] * a[h]) * s + delta[i, h] * np.outer(xs[i, h], b[i, grp])
+      y[i, h] = s @ c[i, grp] + d[h] * xs[i, h]
+  gated = (y.reshape(t, inner) * silu(z)).reshape(t, g, inner // g)
+  normed = gated / np.sqrt(np.mean(gated * gated, axis=-1, keepdims=True) + eps)
+  return proj("out", normed.reshape(t, inner) * f64(p[prefix + "norm.scale"]))
+
+
 def mlp(x: np.ndarray, p: Params, prefix: str, activation: str) -> np.ndarray:
   """Gated MLP `down(act(gate x) * up x)` with optional biases."""
   x = f64(x)

@@ -36,6 +36,27 @@ _HYBRID = dict(_COMMON, **_GDN, num_hidden_layers=8, layer_types=[LIN, LIN, LIN,
 _HYBRID_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 64}
 
+_MAMBA = {
+    "mamba_n_heads": 8,
+    "mamba_d_head": "auto",  # 2 * 64 / 8 = 16
+    "mamba_d_state": 16,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 8,
+}
+_GRANITE = dict(
+    _COMMON,
+    **_MAMBA,
+    num_hidden_layers=4,
+    head_dim=16,
+    mamba_n_groups=2,
+    embedding_multiplier=12.0,
+    residual_multiplier=0.22,
+    attention_multiplier=0.125,
+    logits_scaling=4.0,
+    tie_word_embeddings=True,
+)
+
 # case name -> (transformers model_type, config kwargs)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": (
@@ -102,6 +123,38 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_next_dense": ("qwen3_next", dict(_HYBRID, num_experts=0, rope_parameters=_HYBRID_ROPE)),
     "qwen3_5": ("qwen3_5_text", dict(_HYBRID, rope_parameters=_HYBRID_ROPE)),
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(_HYBRID, **_MOE, rope_parameters=_HYBRID_ROPE)),
+    # Granite 4.0 MoE with RoPE, legacy layer type names, a time-step clamp that binds, and projection biases.
+    "granite_moe": (
+        "granitemoehybrid",
+        dict(
+            _GRANITE,
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            position_embedding_type="rope",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            shared_intermediate_size=64,
+            attention_bias=True,
+            mamba_proj_bias=True,
+            time_step_limit=(0.05, 2.0),
+        ),
+    ),
+    # Granite 4.0 dense (no experts: the shared MLP is the MLP) without RoPE, transformers 5 layer type names.
+    "granite_dense": (
+        "granitemoehybrid",
+        dict(
+            _GRANITE,
+            layer_types=[LIN, LIN, FULL, LIN],
+            num_local_experts=0,
+            shared_intermediate_size=128,
+            mamba_conv_bias=False,
+        ),
+    ),
+    "bamba": (
+        "bamba",
+        dict(_COMMON, **_MAMBA, num_hidden_layers=4, head_dim=16, mamba_n_groups=1, attn_layer_indices=[1]),
+    ),
 }
 
 

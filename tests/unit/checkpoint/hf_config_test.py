@@ -223,7 +223,11 @@ def test_qwen3_sliding_window_layers_follow_max_window_layers():
 @pytest.mark.parametrize(
     "raw, error, match",
     [
-        ({"model_type": "mistral"}, NotImplementedError, r"model_type 'mistral' is not supported \(supported: gemma3,"),
+        (
+            {"model_type": "mistral"},
+            NotImplementedError,
+            r"model_type 'mistral' is not supported \(supported: bamba, gemma3,",
+        ),
         ({}, NotImplementedError, r"model_type None is not supported"),
         ({"model_type": "gemma3"}, ValueError, r"multimodal model_type 'gemma3' must have a text_config"),
         (

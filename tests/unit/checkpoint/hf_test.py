@@ -63,6 +63,9 @@ _PARITY_CASES = [
     pytest.param("qwen3_next_dense", id="qwen3_next-dense", marks=pytest.mark.slow),
     pytest.param("qwen3_5", id="qwen3_5-flat-gdn", marks=pytest.mark.slow),
     pytest.param("qwen3_5_moe", id="qwen3_5_moe", marks=pytest.mark.slow),
+    pytest.param("granite_moe", id="granite4-moe-rope-biases-dtlimit", marks=pytest.mark.slow),
+    pytest.param("granite_dense", id="granite4-dense-nope"),
+    pytest.param("bamba", id="bamba-partial-rope"),
 ]
 
 

@@ -94,7 +94,7 @@ def test_kv_shared_sources_pick_last_earlier_layer_of_same_type():
             r"layer_types=\['full_attention', 'full_attention'\]: must have one entry per layer"
             r" \(base_num_decoder_layers=3\)",
         ),
-        ({"base_num_decoder_layers": 2, "layer_types": [F, "mamba"]}, r"entry 1 \('mamba'\) must be one of"),
+        ({"base_num_decoder_layers": 2, "layer_types": [F, "rwkv"]}, r"entry 1 \('rwkv'\) must be one of"),
         (
             {"base_num_decoder_layers": 2, "layer_types": [F, LIN]},
             r"layer 1 is linear_attention, which needs decoder_block in qwen3_next, qwen3_5 \(got 'llama2'\)",

@@ -18,6 +18,7 @@ OP_MODULES = {
     "maxtext.kernels.ragged_paged_attention",
     "maxtext.kernels.ragged_conv1d",
     "maxtext.kernels.ragged_gated_delta_rule",
+    "maxtext.kernels.ragged_mamba2",
     "maxtext.kernels.experts",
     "maxtext.kernels.moe",
 }

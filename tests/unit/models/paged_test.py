@@ -28,7 +28,16 @@ ATOL = 1e-4
 # hybrids are checked at that scale, at the same tolerance as every other family.
 HYBRIDS = ("qwen3_next", "qwen3_5")
 HF_INIT_STD = 0.05
-FAMILIES = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "kvshare-tiny"]
+FAMILIES = [
+    "llama-tiny",
+    "qwen3-tiny",
+    "gemma3-tiny",
+    "qwen3-next-tiny",
+    "qwen3.5-tiny",
+    "kvshare-tiny",
+    "granite4-tiny",
+    "bamba-tiny",
+]
 MAX_REQS = 8
 NUM_BLOCKS = 48
 BLOCK_SIZE = 4

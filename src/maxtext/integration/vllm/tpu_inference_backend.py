@@ -2,7 +2,8 @@
 
 Attention calls `tpu_inference.layers.common.attention_interface.sharded_ragged_paged_attention` and Gated DeltaNet
 calls `tpu_inference.layers.common.gdn_attention.run_jax_gdn_attention`, both with 0.32.0's positional argument
-order and the runner's mesh (docs/runner-contract.md). The routed experts stay on this package's pure-JAX op. The
+order and the runner's mesh (docs/runner-contract.md). The routed experts stay on this package's pure-JAX op;
+Mamba2 (`mamba2_attention`) has no tpu-inference op to call and raises NotImplementedError. The
 functions are looked up when the backend is built (inside the runner's process, where tpu-inference is installed);
 without tpu-inference that is an error naming the package. Nothing here runs on CPU in this repository's tests
 except through a recording fake of the two functions.
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtext.integration.vllm.environment import PluginEnvironmentError, import_module_of
-from maxtext.kernels.backend import ReferenceBackend, register_backend
+from maxtext.kernels.backend import REFERENCE, ReferenceBackend, register_backend
 
 TPU_INFERENCE = "tpu_inference"
 ATTENTION_MODULE = "tpu_inference.layers.common.attention_interface"
@@ -211,6 +212,19 @@ class TpuInferenceBackend(ReferenceBackend):
         kernel_size,
         self.mesh,
         state_indices if read_state_indices is None else read_state_indices,  # 0.32.0's own default
+    )
+
+  def mamba2_attention(self, *args, **kwargs):  # pylint: disable=too-many-positional-arguments
+    """Not served: tpu-inference 0.32.0 has no Mamba2 op this backend could call, and falling back to the
+    reference scan on TPU would silently run a slow path.
+
+    Raises:
+      NotImplementedError: always, naming the backend and the layer kind.
+    """
+    del args, kwargs
+    raise NotImplementedError(
+        f"kernel_backend={TPU_INFERENCE} cannot run mamba layers (Granite 4.0, Bamba): tpu-inference 0.32.0 has no"
+        f" Mamba2 kernel to call; use kernel_backend={REFERENCE}"
     )
 
 

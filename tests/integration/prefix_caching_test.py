@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 BLOCK = 4
 MAX_TOKENS = 4
-HYBRIDS = ("qwen3-next-tiny", "qwen3.5-tiny")
+HYBRIDS = ("qwen3-next-tiny", "qwen3.5-tiny", "granite4-tiny", "bamba-tiny")
 # (family, kv_cache_layout, hybrid_kv_cache, mamba_block_size): every layout, and both groupings of the sliding-window
 # and of the hybrid families, with both state block sizes (one engine each keeps CI time down; the grouping logic is
 # covered per family and grouping by tests/unit/inference/prefix_caching_test.py).
@@ -31,6 +31,8 @@ CASES = [
     ("kvshare-tiny", "hybrid", True, 0),
     ("qwen3-next-tiny", "layer", False, 2 * BLOCK),
     ("qwen3.5-tiny", "shuffled", True, 0),
+    ("granite4-tiny", "layer", True, 2 * BLOCK),
+    ("bamba-tiny", "hybrid", False, 0),
 ]
 
 

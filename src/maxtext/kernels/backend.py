@@ -163,6 +163,7 @@ class KernelBackend(abc.ABC):
       state_dim: int,
       kernel_size: int,
       time_step_limit: tuple[float, float] = (0.0, 0.0),
+      read_state_indices: jax.Array | None = None,
   ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """Mamba2 over a ragged batch, each request continuing from its state slot.
 
@@ -180,6 +181,8 @@ class KernelBackend(abc.ABC):
       seq_lens: `[S]` (a request has an initial state iff `seq_len > q_len`).
       n_heads, head_dim, n_groups, state_dim, kernel_size: sizes.
       time_step_limit: `(lo, hi)` clamp of softplus(dt + dt_bias) (`hi = 0`: none).
+      read_state_indices: `[S]` slot each request reads its initial state from (None: `state_indices`), as
+        prefix caching's align scheme reads one state block and writes another.
 
     Returns:
       `((conv_state, ssm_state), y [T, nh * hd])`, y including the D skip (before the gated norm).
@@ -305,6 +308,7 @@ class ReferenceBackend(KernelBackend):
       state_dim,
       kernel_size,
       time_step_limit=(0.0, 0.0),
+      read_state_indices=None,
   ):
     if conv_weight.shape[-1] != kernel_size:
       raise ValueError(f"mamba2_attention: conv_weight {conv_weight.shape} must be [C, 1, kernel_size={kernel_size}]")
@@ -314,12 +318,14 @@ class ReferenceBackend(KernelBackend):
           f"mamba2_attention: xbc must be [T, nh*hd + 2*G*N] = [T, {inner + 2 * bc}]; got {tuple(xbc.shape)}"
       )
     args = (state_indices, query_start_loc, seq_lens, distribution)
-    conv_out, conv_state = ragged_conv1d(xbc, conv_state, conv_weight, conv_bias, *args)
+    conv_out, conv_state = ragged_conv1d(xbc, conv_state, conv_weight, conv_bias, *args, read_state_indices)
     t = conv_out.shape[0]
     x = conv_out[:, :inner].reshape(t, n_heads, head_dim)
     b = conv_out[:, inner : inner + bc].reshape(t, n_groups, state_dim)
     c = conv_out[:, inner + bc :].reshape(t, n_groups, state_dim)
-    y, ssm_state = ragged_mamba2(x, dt, b, c, A_log, D, dt_bias, ssm_state, *args, time_step_limit)
+    y, ssm_state = ragged_mamba2(
+        x, dt, b, c, A_log, D, dt_bias, ssm_state, *args, time_step_limit, read_state_indices
+    )
     return (conv_state, ssm_state), y.reshape(t, inner)
 
   def moe_experts(  # pylint: disable=too-many-positional-arguments

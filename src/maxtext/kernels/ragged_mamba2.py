@@ -21,7 +21,7 @@ def _time_step(dt: jax.Array, dt_bias: jax.Array, time_step_limit: tuple[float, 
   return jnp.minimum(out, hi) if hi > 0 else out
 
 
-def _validate(x, dt, b, c, a_log, d, dt_bias, ssm_state, state_indices, query_start_loc, seq_lens, distribution, limit):
+def _validate(x, dt, b, c, a_log, d, dt_bias, ssm_state, state_indices, query_start_loc, seq_lens, distribution, limit, read):
   where = "ragged_mamba2"
   if x.ndim != 3:
     raise ValueError(f"{where}: x must be [T, nh, hd]; got shape {x.shape}")
@@ -48,7 +48,7 @@ def _validate(x, dt, b, c, a_log, d, dt_bias, ssm_state, state_indices, query_st
     )
   if len(limit) != 2 or limit[0] < 0 or 0 < limit[1] < limit[0]:
     raise ValueError(f"{where}: time_step_limit must be (lo >= 0, hi >= lo or hi = 0 for none); got {limit}")
-  ragged_batch.check_state_metadata(state_indices, query_start_loc, seq_lens, distribution, where)
+  ragged_batch.check_state_metadata(state_indices, query_start_loc, seq_lens, distribution, where, read)
 
 
 def ragged_mamba2(
@@ -65,6 +65,7 @@ def ragged_mamba2(
     seq_lens: jax.Array,
     distribution: jax.Array,
     time_step_limit: tuple[float, float] = (0.0, 0.0),
+    read_state_indices: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Mamba2 selective scan over a ragged batch, reading and updating each request's SSM state.
 
@@ -87,6 +88,8 @@ def ragged_mamba2(
       `seq_lens - query_len == 0`.
     distribution: `[3]` int32; `distribution[2]` is the number of real requests.
     time_step_limit: `(lo, hi)` clamp of delta (`hi = 0`: no upper limit).
+    read_state_indices: `[S]` int32 slot each request reads its initial state from (None: `state_indices`), as
+      prefix caching's align scheme reads one state block and writes another; a null read slot means no state.
 
   Returns:
     `(y [T, nh, hd] in x.dtype, new_ssm_state [M, nh, hd, N] float32)`.
@@ -95,7 +98,20 @@ def ragged_mamba2(
     ValueError / TypeError: inconsistent shapes, or a non-fp32 state (static checks).
   """
   _validate(
-      x, dt, b, c, A_log, D, dt_bias, ssm_state, state_indices, query_start_loc, seq_lens, distribution, time_step_limit
+      x,
+      dt,
+      b,
+      c,
+      A_log,
+      D,
+      dt_bias,
+      ssm_state,
+      state_indices,
+      query_start_loc,
+      seq_lens,
+      distribution,
+      time_step_limit,
+      read_state_indices,
   )
   num_tokens, num_heads, _ = x.shape
   repeat = num_heads // b.shape[1]
@@ -103,8 +119,9 @@ def ragged_mamba2(
   state_indices = state_indices.astype(jnp.int32)
 
   layout = ragged_batch.token_layout(num_tokens, query_start_loc, distribution)
-  has_init = ragged_batch.has_initial_state(layout, seq_lens)
-  init_states = jnp.where(has_init[:, None, None, None], ssm_state[state_indices], 0.0)  # [S, nh, hd, N]
+  read = state_indices if read_state_indices is None else read_state_indices.astype(jnp.int32)
+  has_init = ragged_batch.has_initial_state(layout, seq_lens, read_state_indices)
+  init_states = jnp.where(has_init[:, None, None, None], ssm_state[read], 0.0)  # [S, nh, hd, N]
 
   xf = x.astype(jnp.float32)
   delta = _time_step(dt, dt_bias, time_step_limit)  # [T, nh]

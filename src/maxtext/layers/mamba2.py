@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from maxtext.configs.derived import state_block_size
 from maxtext.configs.layer_kinds import MAMBA, RECURRENT_CACHE
-from maxtext.kernels.attention_metadata import AttentionMetadata
+from maxtext.kernels.attention_metadata import AttentionMetadata, recurrent_state_indices
 from maxtext.kernels.backend import KernelBackend
 from maxtext.kernels.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
 from maxtext.layers.gated_delta_net import causal_conv1d
@@ -182,6 +183,7 @@ class Mamba2(Mixer):
       norm_eps: float = 1e-6,
       dtype: jnp.dtype = jnp.float32,
       weight_dtype: jnp.dtype = jnp.float32,
+      mamba_block_size: int | None = None,
       rngs: nnx.Rngs,
   ):
     if min(num_heads, head_dim, state_dim, num_groups) <= 0 or num_heads % num_groups:
@@ -201,6 +203,7 @@ class Mamba2(Mixer):
     self.time_step_limit = (lo, hi)
     self.eps = float(norm_eps)
     self.dtype = jnp.dtype(dtype)
+    self.mamba_block_size = mamba_block_size  # tokens per state block under prefix caching (align scheme)
     kw = {"use_bias": proj_bias, "dtype": dtype, "weight_dtype": weight_dtype, "rngs": rngs}
     self.z = DenseGeneral(emb_dim, self.inner, **kw)
     self.xbc = DenseGeneral(emb_dim, self.conv_dim, **kw)
@@ -230,6 +233,7 @@ class Mamba2(Mixer):
         norm_eps=cfg.normalization_layer_epsilon,
         dtype=jnp.dtype(cfg.dtype),
         weight_dtype=jnp.dtype(cfg.weight_dtype),
+        mamba_block_size=state_block_size(cfg),
         rngs=rngs,
     )
 
@@ -312,20 +316,20 @@ class Mamba2(Mixer):
       x: `[T, D]` normalised hidden states of the flat batch.
       positions: `[T]` (unused: the recurrence carries position).
       state: `(conv_state [M, K-1, C], ssm_state [M, nh, hd, N] float32)`, addressed by `md.mamba_state_indices`
-        (slot 0 is the null slot).
-      md: the step's metadata (block tables are ignored).
+        (slot 0 is the null slot), or under prefix caching by the state blocks of `md.block_tables` (read and
+        write slots differ; `attention_metadata.recurrent_state_indices`).
+      md: the step's metadata.
       backend: the kernel backend.
 
     Returns:
       output `[T, D]` and the new `(conv_state, ssm_state)`.
 
     Raises:
-      ValueError: the metadata has no `mamba_state_indices`.
+      ValueError: the metadata names no state slots.
     """
     del positions  # The recurrence carries position; the runner passes positions to every layer.
-    if md.mamba_state_indices is None:
-      raise ValueError("a mamba layer needs attention_metadata.mamba_state_indices (its state slots)")
     conv_state, ssm_state = state
+    read, write = recurrent_state_indices(md, self.mamba_block_size, conv_state.shape[0], "a mamba layer")
     z, xbc, dt = self.project(x)
     kernel_size = self.conv.kernel.shape[0]
     weight = jnp.transpose(self.conv.kernel[...])[:, None, :]  # [K, C] -> the runner's [C, 1, K]
@@ -340,7 +344,7 @@ class Mamba2(Mixer):
         self.A_log[...],
         self.D[...],
         self.dt_bias[...],
-        md.mamba_state_indices,
+        write,
         md.query_start_loc,
         md.request_distribution,
         md.seq_lens,
@@ -350,6 +354,7 @@ class Mamba2(Mixer):
         self.n,
         kernel_size,
         self.time_step_limit,
+        read,
     )
     return self.output(y, z), state
 

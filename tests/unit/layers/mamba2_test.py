@@ -149,7 +149,7 @@ def test_layer_spec_and_metadata_errors():
   m = Mamba2.from_config(cfg, 0, rngs=nnx.Rngs(0))
   md = dataclasses.replace(_metadata([0, 2], [2], [1], 1), mamba_state_indices=None)
   state = tuple(jnp.zeros(s) for s in spec.cache_shapes(2))
-  with pytest.raises(ValueError, match="a mamba layer needs attention_metadata.mamba_state_indices"):
+  with pytest.raises(ValueError, match="a mamba layer: a recurrent layer needs attention_metadata.mamba_state_indices"):
     m.paged(jnp.zeros((2, cfg.base_emb_dim)), jnp.arange(2), state, md, default_backend())
   with pytest.raises(ValueError, match="cannot take shared K/V"):
     m(jnp.zeros((1, 2, cfg.base_emb_dim)), None, (jnp.zeros(1), jnp.zeros(1)))
@@ -202,3 +202,37 @@ def test_tpu_inference_backend_refuses_mamba_layers():
 def test_dense_forward_is_jittable(mixer):
   x = _x(5)
   np.testing.assert_allclose(jax.jit(lambda v: mixer(v)[0])(x), mixer(x)[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_paged_op_under_prefix_caching_reads_one_state_block_and_writes_another(mixer):
+  """The align scheme: with block tables and no compact slots, request 0 (6 tokens computed, 5 new, 4 tokens per
+  state block) reads its state from the block of token 5 and writes the block of token 10; the read block keeps
+  its checkpoint. Request 1 is new and starts from zeros."""
+  x = _x(12, seed=5, b=2)
+  _, conv0, ssm0 = mixer.forward_with_state(x[:1, :6])
+  rng = np.random.default_rng(7)
+  conv_state = jnp.asarray(rng.normal(size=(5, K - 1, mixer.conv_dim)), jnp.float32)
+  ssm_state = jnp.asarray(rng.normal(size=(5, NH, HD, N)), jnp.float32)
+  conv_state, ssm_state = conv_state.at[2].set(conv0[0]), ssm_state.at[2].set(ssm0[0])
+  flat = jnp.concatenate([x[0, 6:11], x[1, :4], jnp.zeros((3, D))])
+  md = dataclasses.replace(
+      _metadata([0, 5, 9, 9], [11, 4, 0], [0, 0, 0], num_reqs=2),
+      mamba_state_indices=None,
+      block_tables=jnp.asarray([4, 2, 3, 1, 0, 0, 0, 0, 0], jnp.int32),  # 3 requests x 3 state blocks
+  )
+  saved = mixer.mamba_block_size
+  mixer.mamba_block_size = 4
+  try:
+    out, (conv_new, ssm_new) = mixer.paged(flat, md.input_positions, (conv_state, ssm_state), md, default_backend())
+  finally:
+    mixer.mamba_block_size = saved
+  want0, conv_w0, ssm_w0 = mixer.forward_with_state(x[:1, :11], chunked=False)
+  want1, _, ssm_w1 = mixer.forward_with_state(x[1:, :4], chunked=False)
+  np.testing.assert_allclose(out[:5], want0[0, 6:], atol=2e-5, rtol=0)
+  np.testing.assert_allclose(out[5:9], want1[0], atol=2e-5, rtol=0)
+  np.testing.assert_allclose(ssm_new[3], ssm_w0[0], atol=2e-5, rtol=0)
+  np.testing.assert_allclose(conv_new[3], conv_w0[0], atol=1e-6, rtol=0)
+  np.testing.assert_allclose(ssm_new[1], ssm_w1[0], atol=2e-5, rtol=0)
+  np.testing.assert_array_equal(ssm_new[2], ssm_state[2])  # the checkpoint read from is kept
+  np.testing.assert_array_equal(conv_new[2], conv_state[2])

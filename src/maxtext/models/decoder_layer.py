@@ -52,6 +52,9 @@ class DecoderLayer(nnx.Module):
           shared_mlp_dim=cfg.shared_expert_mlp_dim,
           normalize_top_k=cfg.norm_topk_prob,
           activation=activation,
+          use_bias=cfg.use_moe_bias,
+          swiglu_alpha=cfg.swiglu_alpha,
+          swiglu_limit=cfg.swiglu_limit if cfg.use_clamped_swiglu else 0.0,
           **kw,
       )
     else:

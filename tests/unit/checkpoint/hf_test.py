@@ -63,6 +63,7 @@ _PARITY_CASES = [
     pytest.param("qwen3_next_dense", id="qwen3_next-dense", marks=pytest.mark.slow),
     pytest.param("qwen3_5", id="qwen3_5-flat-gdn", marks=pytest.mark.slow),
     pytest.param("qwen3_5_moe", id="qwen3_5_moe", marks=pytest.mark.slow),
+    pytest.param("gpt_oss", id="gpt_oss-sinks-window8-yarn-biased-moe-clamped-swiglu"),
 ]
 
 

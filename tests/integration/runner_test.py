@@ -14,7 +14,7 @@ import pytest
 
 from maxtext.inference import LLM, SamplingParams
 
-FAMILIES = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "kvshare-tiny"]
+FAMILIES = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "kvshare-tiny", "gpt-oss-tiny"]
 LAYOUTS = [("hybrid", True), ("layer", False), ("shuffled", True)]
 MAX_TOKENS = 8
 EOS = 2  # the byte-level tokenizer's eos id

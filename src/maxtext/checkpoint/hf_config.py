@@ -343,7 +343,7 @@ def _rope_overrides(fields: _Fields) -> dict[str, Any]:
     out["local_rope_max_timescale"] = float(sliding["rope_theta"])
     out["partial_rotary_factor"] = float(full.get("partial_rotary_factor", 1.0))
     return out
-  rope = dict(legacy_scaling or params or (fields.get("rope_parameters") if fields.model_type == "gpt_oss" else {}) or {})
+  rope = dict(legacy_scaling or fields.get("rope_parameters") or {})  # absent: the model type's default (gpt_oss)
   rope.setdefault("rope_theta", fields.get("rope_theta"))
   rope.setdefault("partial_rotary_factor", fields.get("partial_rotary_factor") or 1.0)
   out = _scaling_overrides(rope, "rope_parameters", fields)

@@ -31,7 +31,7 @@ def check_biases(w_gate: jax.Array, b_gate, b_up, b_down) -> None:
 
 def add_bias(y: jax.Array, bias: jax.Array | None, rows: jax.Array | slice, dtype: jnp.dtype) -> jax.Array:
   """`y + bias[rows]` (cast to `dtype`), or `y` when there is no bias."""
-  return y if bias is None else y + bias.astype(dtype)[rows]
+  return y if bias is None else y + jnp.asarray(bias, dtype)[rows]
 
 
 def gated(gate: jax.Array, up: jax.Array, activation: Callable[[jax.Array], jax.Array], glu: Glu | None) -> jax.Array:

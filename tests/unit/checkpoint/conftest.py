@@ -108,6 +108,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "gpt_oss",
         dict(
             _COMMON,
+            head_dim=64,
             intermediate_size=48,
             num_hidden_layers=4,
             rms_norm_eps=1e-5,

@@ -28,7 +28,7 @@ ATOL = 1e-4
 # hybrids are checked at that scale, at the same tolerance as every other family.
 HYBRIDS = ("qwen3_next", "qwen3_5")
 HF_INIT_STD = 0.05
-FAMILIES = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "kvshare-tiny"]
+FAMILIES = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "kvshare-tiny", "gpt-oss-tiny"]
 MAX_REQS = 8
 NUM_BLOCKS = 48
 BLOCK_SIZE = 4
@@ -238,7 +238,7 @@ def test_chunked_prefill_then_token_by_token(name, chunk):
   _check(h, model, reqs, _chunked_schedule(reqs, chunk))
 
 
-@pytest.mark.parametrize("name", ["gemma3-tiny", "kvshare-tiny"])
+@pytest.mark.parametrize("name", ["gemma3-tiny", "kvshare-tiny", "gpt-oss-tiny"])
 def test_sliding_window_blocks_freed_and_reused_still_match(name):
   cfg, model = _model(name)
   assert cfg.sliding_window_size < 20

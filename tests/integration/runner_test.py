@@ -23,6 +23,7 @@ FAMILIES = [
     "kvshare-tiny",
     "granite4-tiny",
     "bamba-tiny",
+    "gpt-oss-tiny",
 ]
 LAYOUTS = [("hybrid", True), ("layer", False), ("shuffled", True)]
 MAX_TOKENS = 8

@@ -15,6 +15,7 @@ MESHES = {
     "kvshare-tiny": [{"ici_tensor_parallelism": 2}],
     "qwen3-next-tiny": [{"ici_tensor_parallelism": 2}, {"ici_tensor_parallelism": 2, "ici_expert_parallelism": 2}],
     "qwen3.5-tiny": [{"ici_tensor_parallelism": 2}, {"ici_tensor_parallelism": 4}],
+    "gpt-oss-tiny": [{"ici_tensor_parallelism": 2, "ici_expert_parallelism": 2}],
 }
 
 

@@ -1,10 +1,10 @@
 """Map a Hugging Face `config.json` to this package's config keys (configs/base.yml names).
 
 Supported model types: llama, qwen3, gemma3_text, qwen3_next, qwen3_5_text, qwen3_5_moe_text, granitemoehybrid
-(Granite 4.0), bamba, and the multimodal wrappers gemma3, qwen3_5 and qwen3_5_moe (their `text_config` is used;
-vision fields are ignored). Fields absent from the file take the default of the corresponding transformers config
-class (Hub configs, e.g. Gemma3's `text_config`, rely on those defaults). Both the v5 `rope_parameters` dict (per
-layer type for Gemma3) and the legacy top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` /
+(Granite 4.0), bamba, gpt_oss, and the multimodal wrappers gemma3, qwen3_5 and qwen3_5_moe (their `text_config` is
+used; vision fields are ignored). Fields absent from the file take the default of the corresponding transformers
+config class (Hub configs, e.g. Gemma3's `text_config`, rely on those defaults). Both the v5 `rope_parameters` dict
+(per layer type for Gemma3) and the legacy top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` /
 `rope_local_base_freq` fields are accepted.
 """
 
@@ -28,6 +28,7 @@ DECODER_BLOCKS: dict[str, str] = {
     "qwen3_5_moe_text": "qwen3_5",
     "granitemoehybrid": "granite_hybrid",
     "bamba": "bamba",
+    "gpt_oss": "gpt_oss",
 }
 # multimodal model_type -> model_type of its text_config
 MULTIMODAL_TEXT_TYPES: dict[str, str] = {
@@ -36,7 +37,7 @@ MULTIMODAL_TEXT_TYPES: dict[str, str] = {
     "qwen3_5_moe": "qwen3_5_moe_text",
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(set(DECODER_BLOCKS) | set(MULTIMODAL_TEXT_TYPES)))
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
 _HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _MOE_TYPES = ("qwen3_next", "qwen3_5_moe_text")
@@ -216,6 +217,32 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "mamba_proj_bias": False,
         "time_step_limit": None,
     },
+    "gpt_oss": {
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "sliding_window": 128,
+        "rms_norm_eps": 1e-5,
+        "attention_bias": True,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "rope_theta": 150000.0,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "max_position_embeddings": 131072,
+    },
 }
 
 
@@ -300,6 +327,8 @@ def _layer_types(fields: _Fields, num_layers: int) -> list[str]:
   if model_type == "gemma3_text":
     pattern = int(fields.text.get("sliding_window_pattern", fields.text.get("_sliding_window_pattern", 6)))
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+  if model_type == "gpt_oss":
+    return ["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(num_layers)]
   if model_type in _HYBRID_TYPES:
     interval = int(fields.get("full_attention_interval"))
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
@@ -422,6 +451,20 @@ def _scaling_overrides(scaling: Mapping[str, Any], where: str, fields: _Fields) 
     out["rope_high_freq_factor"] = float(scaling.get("high_freq_factor", 4.0))
     original = scaling.get("original_max_position_embeddings", fields.get("max_position_embeddings"))
     out["rope_original_max_position_embeddings"] = int(original)
+  if rope_type == "yarn":
+    unsupported = [k for k in ("mscale", "mscale_all_dim") if scaling.get(k)]
+    if unsupported:
+      raise NotImplementedError(f"yarn rope scaling with {', '.join(unsupported)} ({where}) is not supported")
+    factor = scaling.get("factor")
+    original = int(scaling.get("original_max_position_embeddings") or fields.get("max_position_embeddings"))
+    if factor is None:  # transformers: the ratio of the context lengths
+      factor = fields.require("max_position_embeddings") / original
+    out["rope_scaling_factor"] = float(factor)
+    out["rope_original_max_position_embeddings"] = original
+    out["rope_beta_fast"] = float(scaling.get("beta_fast") or 32.0)
+    out["rope_beta_slow"] = float(scaling.get("beta_slow") or 1.0)
+    out["rope_truncate"] = bool(scaling.get("truncate", True))
+    out["rope_attention_factor"] = float(scaling.get("attention_factor") or 0.0)
   return out
 
 
@@ -450,7 +493,7 @@ def _rope_overrides(fields: _Fields) -> dict[str, Any]:
     out["local_rope_max_timescale"] = float(sliding["rope_theta"])
     out["partial_rotary_factor"] = float(full.get("partial_rotary_factor", 1.0))
     return out
-  rope = dict(legacy_scaling or params or {})
+  rope = dict(legacy_scaling or fields.get("rope_parameters") or {})  # absent: the model type's default (gpt_oss)
   rope.setdefault("rope_theta", fields.get("rope_theta"))
   rope.setdefault("partial_rotary_factor", fields.get("partial_rotary_factor") or 1.0)
   out = _scaling_overrides(rope, "rope_parameters", fields)
@@ -471,6 +514,21 @@ def _activation(fields: _Fields) -> str:
         f"(supported: {', '.join(sorted(_ACTIVATIONS))})"
     )
   return _ACTIVATIONS[act]
+
+
+def _gpt_oss_overrides(fields: _Fields, num_layers: int) -> dict[str, Any]:
+  """gpt-oss: MoE on every layer (softmax over the top-k router logits), the clamped SwiGLU, full/sliding cycle."""
+  out = {
+      "num_experts": int(fields.require("num_local_experts")),
+      "num_experts_per_tok": int(fields.require("num_experts_per_tok")),
+      "base_moe_mlp_dim": int(fields.require("intermediate_size")),
+      "norm_topk_prob": True,
+      "swiglu_alpha": float(fields.require("swiglu_alpha")),
+      "swiglu_limit": float(fields.require("swiglu_limit")),
+  }
+  layer_types = _layer_types(fields, num_layers)
+  out["inhomogeneous_layer_cycle_interval"] = _cycle_interval(layer_types, "sliding_attention")
+  return out
 
 
 def hf_config_to_overrides(hf_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -540,6 +598,8 @@ def hf_config_to_overrides(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     overrides.update(_mamba_overrides(fields, hidden))
   if model_type == "granitemoehybrid":
     overrides.update(_granite_overrides(fields))
+  if model_type == "gpt_oss":
+    overrides.update(_gpt_oss_overrides(fields, num_layers))
   if model_type in _MOE_TYPES:
     overrides["num_experts"] = int(fields.require("num_experts"))
   if model_type in _MOE_TYPES and overrides["num_experts"] > 0:

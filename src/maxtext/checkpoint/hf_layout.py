@@ -14,6 +14,9 @@ produces one or more canonical parameters (docs/architecture.md names, kernels [
   - MoE experts, per-expert keys (`experts.{e}.gate_proj.weight`, as save_pretrained and the Hub write them) or the
     fused transformers 5 layout (`experts.gate_up_proj` [E, 2*Fe, D], `experts.down_proj` [E, D, Fe]) -> stacked
     [E, D, Fe] / [E, Fe, D], filled expert by expert into one preallocated array.
+  - gpt-oss experts: `experts.gate_up_proj` [E, D, 2*Fe] with gate and up INTERLEAVED along the last axis (gate at
+    even columns, up at odd ones; the same for `gate_up_proj_bias` [E, 2*Fe]) -> gate, up [E, D, Fe];
+    `experts.down_proj` [E, Fe, D] is already [in, out]; `router.weight` [E, D] / `router.bias` [E]; `self_attn.sinks`.
 """
 
 import dataclasses
@@ -172,6 +175,35 @@ def _fused_down(source: str, experts: int, moe_dim: int, hidden: int, target: st
   )
 
 
+def _interleaved_gate_up(source: str, shape: Shape, gate: str, up: str) -> Recipe:
+  """gpt-oss gate_up_proj [..., 2*Fe] (or its bias), gate at even and up at odd positions of the last axis."""
+
+  def convert(read: Reader, dt: Any) -> tuple[np.ndarray, ...]:
+    w = read(0)
+    return _cast(w[..., 0::2], dt), _cast(w[..., 1::2], dt)
+
+  half = shape[:-1] + (shape[-1] // 2,)
+  return Recipe((source,), (shape,), ((gate, half), (up, half)), convert)
+
+
+def _gpt_oss_moe(cfg: Any, i: int, available: Collection[str]) -> list[Recipe]:
+  p, c = f"model.layers.{i}.mlp.", f"layers.{i}.moe."
+  d, e, fe = cfg.base_emb_dim, cfg.num_experts, cfg.base_moe_mlp_dim
+  if p + "experts.gate_up_proj_blocks" in available:
+    raise NotImplementedError(
+        f"layer {i}: MXFP4-quantised gpt-oss experts (experts.gate_up_proj_blocks / _scales) are not supported;"
+        " load a dequantised checkpoint (transformers save_pretrained of the bf16 model)"
+    )
+  return [
+      _linear(p + "router.weight", e, d, c + "router.kernel"),
+      _same(p + "router.bias", (e,), c + "router.bias"),
+      _interleaved_gate_up(p + "experts.gate_up_proj", (e, d, 2 * fe), c + "gate", c + "up"),
+      _interleaved_gate_up(p + "experts.gate_up_proj_bias", (e, 2 * fe), c + "gate_bias", c + "up_bias"),
+      _same(p + "experts.down_proj", (e, fe, d), c + "down"),
+      _same(p + "experts.down_proj_bias", (e, d), c + "down_bias"),
+  ]
+
+
 def _attention(cfg: Any, i: int) -> list[Recipe]:
   p, c = f"model.layers.{i}.self_attn.", f"layers.{i}.attn."
   d, hq, hkv, dh = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
@@ -191,6 +223,8 @@ def _attention(cfg: Any, i: int) -> list[Recipe]:
     recipes.append(_head_bias(p + "q_proj.bias", hq, dh, c + "q.bias"))
     recipes += [_head_bias(p + f"{n}_proj.bias", hkv, dh, c + f"{n}.bias") for n in kv]
     recipes.append(_same(p + "o_proj.bias", (d,), c + "o.bias"))
+  if cfg.use_attention_sinks:
+    recipes.append(_same(p + "sinks", (hq,), c + "sinks"))
   if cfg.use_qk_norm:
     recipes.append(_same(p + "q_norm.weight", (dh,), c + "q_norm.scale"))
     if not shared:
@@ -302,6 +336,8 @@ def _dense_mlp(prefix: str, canonical: str, hidden: int, mlp_dim: int, bias: boo
 
 
 def _moe(cfg: Any, i: int, available: Collection[str]) -> list[Recipe]:
+  if cfg.use_moe_bias:
+    return _gpt_oss_moe(cfg, i, available)
   p, c = f"model.layers.{i}.mlp.", f"layers.{i}.moe."
   d, e, fe, fs = cfg.base_emb_dim, cfg.num_experts, cfg.base_moe_mlp_dim, cfg.shared_expert_mlp_dim
   recipes = [_linear(p + "gate.weight", e, d, c + "router.kernel")]

@@ -5,7 +5,8 @@ Derived values (added to the loaded config):
                             base.yml's `layer_types` is empty.
   kv_shared_source          per layer: -1, or the layer whose K/V a KV-shared layer reuses.
   moe_layers                per layer: whether the MLP is a mixture of experts.
-  use_qk_norm, use_zero_centered_norm, use_sandwich_norm, use_embedding_scale, use_attention_output_gate:
+  use_qk_norm, use_zero_centered_norm, use_sandwich_norm, use_embedding_scale, use_attention_output_gate,
+  use_attention_sinks, use_moe_bias, use_clamped_swiglu, use_global_rope_on_sliding:
                             family traits of `decoder_block`.
   rotary_dim, attention_scale (`attention_multiplier` when set), gdn_conv_dim.
   mamba_inner_dim           nh * hd, the Mamba2 inner size (x channels, z, gated norm, out_proj input).
@@ -29,7 +30,7 @@ from maxtext.configs.layer_kinds import (
     SLIDING_ATTENTION,
 )
 
-DECODER_BLOCKS = ("llama2", "qwen3", "gemma3", "qwen3_next", "qwen3_5") + HYBRID_MAMBA_BLOCKS
+DECODER_BLOCKS = ("llama2", "qwen3", "gemma3", "qwen3_next", "qwen3_5", "gpt_oss") + HYBRID_MAMBA_BLOCKS
 DTYPES = ("float32", "bfloat16")
 # Physical orders of the reference runner's cache list (see inference/kv_cache_manager.py).
 KV_CACHE_LAYOUTS = ("layer", "hybrid", "shuffled")
@@ -41,7 +42,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
     "weight_dtype": DTYPES,
     "kv_cache_dtype": ("auto",) + DTYPES,
-    "rope_type": ("default", "linear", "llama3"),
+    "rope_type": ("default", "linear", "llama3", "yarn"),
     "kv_cache_layout": KV_CACHE_LAYOUTS,
     "output_format": ("text", "json"),
 }
@@ -111,7 +112,7 @@ def default_layer_types(values: Mapping[str, Any]) -> tuple[str, ...]:
   block = values["decoder_block"]
   interval = values["inhomogeneous_layer_cycle_interval"]
   n = values["base_num_decoder_layers"]
-  if block == "gemma3":
+  if block in ("gemma3", "gpt_oss"):
     other = SLIDING_ATTENTION
   elif block in HYBRID_GDN_BLOCKS:
     other = LINEAR_ATTENTION
@@ -206,6 +207,17 @@ def validate(values: Mapping[str, Any]) -> None:
         f"must be > rope_low_freq_factor={values['rope_low_freq_factor']} for rope_type=llama3",
     )
 
+  if values["rope_type"] == "yarn" and not values["rope_beta_fast"] > values["rope_beta_slow"] > 0:
+    raise _fail(
+        "rope_beta_fast",
+        values["rope_beta_fast"],
+        f"must be > rope_beta_slow={values['rope_beta_slow']} > 0 for rope_type=yarn",
+    )
+  if values["rope_attention_factor"] < 0:
+    raise _fail("rope_attention_factor", values["rope_attention_factor"], "must be >= 0 (0 = derived from the factor)")
+  if values["decoder_block"] == "gpt_oss":
+    _validate_gpt_oss(values)
+
   n = values["base_num_decoder_layers"]
   layer_types = values["layer_types"] or default_layer_types(values)
   if len(layer_types) != n:
@@ -259,6 +271,23 @@ def validate(values: Mapping[str, Any]) -> None:
     raise _fail("decode_sampling_nucleus_p", values["decode_sampling_nucleus_p"], "must be <= 1")
 
 
+def _validate_gpt_oss(values: Mapping[str, Any]) -> None:
+  """gpt-oss: clamped SwiGLU experts on every layer, softmax over the top-k router logits."""
+  for key in ("swiglu_alpha", "swiglu_limit"):
+    if values[key] <= 0:
+      raise _fail(key, values[key], "must be > 0 for decoder_block=gpt_oss")
+  if values["num_experts"] <= 0:
+    raise _fail("num_experts", values["num_experts"], "must be > 0 for decoder_block=gpt_oss (every layer is MoE)")
+  if not values["norm_topk_prob"]:
+    raise _fail("norm_topk_prob", False, "must be true for decoder_block=gpt_oss (softmax over the top-k logits)")
+  if values["shared_expert_mlp_dim"] or values["mlp_only_layers"] or values["decoder_sparse_step"] != 1:
+    raise ConfigError(
+        "decoder_block=gpt_oss has routed experts on every layer: shared_expert_mlp_dim must be 0, mlp_only_layers"
+        f" empty and decoder_sparse_step 1 (got {values['shared_expert_mlp_dim']}, {list(values['mlp_only_layers'])},"
+        f" {values['decoder_sparse_step']})"
+    )
+
+
 def _validate_axis_rules(rules: Any) -> None:
   seen = set()
   for entry in rules:
@@ -301,6 +330,10 @@ def derive(values: Mapping[str, Any]) -> dict[str, Any]:
       "use_sandwich_norm": block == "gemma3",
       "use_embedding_scale": block == "gemma3",
       "use_attention_output_gate": block in HYBRID_GDN_BLOCKS,
+      "use_attention_sinks": block == "gpt_oss",
+      "use_moe_bias": block == "gpt_oss",
+      "use_clamped_swiglu": block == "gpt_oss",
+      "use_global_rope_on_sliding": block == "gpt_oss",
       "rotary_dim": int(values["head_dim"] * values["partial_rotary_factor"]),
       "attention_scale": (
           values["attention_multiplier"]

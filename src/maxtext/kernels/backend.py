@@ -201,8 +201,16 @@ class KernelBackend(abc.ABC):
       activation: Callable[[jax.Array], jax.Array],
       dtype: Any,
       method: str = "tiled",
+      b_gate: jax.Array | None = None,
+      b_up: jax.Array | None = None,
+      b_down: jax.Array | None = None,
+      glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
   ) -> jax.Array:
-    """Routed experts: x `[T, D]`, top-k weights and indices `[T, k]`, stacked weights -> `[T, D]`."""
+    """Routed experts: x `[T, D]`, top-k weights and indices `[T, k]`, stacked weights -> `[T, D]`.
+
+    Optional: per-expert biases `b_gate`, `b_up` `[E, F]` and `b_down` `[E, D]`, and `glu(gate, up)` replacing
+    `activation(gate) * up` (gpt-oss's clamped SwiGLU).
+    """
 
 
 class ReferenceBackend(KernelBackend):
@@ -323,17 +331,31 @@ class ReferenceBackend(KernelBackend):
     x = conv_out[:, :inner].reshape(t, n_heads, head_dim)
     b = conv_out[:, inner : inner + bc].reshape(t, n_groups, state_dim)
     c = conv_out[:, inner + bc :].reshape(t, n_groups, state_dim)
-    y, ssm_state = ragged_mamba2(
-        x, dt, b, c, A_log, D, dt_bias, ssm_state, *args, time_step_limit, read_state_indices
-    )
+    y, ssm_state = ragged_mamba2(x, dt, b, c, A_log, D, dt_bias, ssm_state, *args, time_step_limit, read_state_indices)
     return (conv_state, ssm_state), y.reshape(t, inner)
 
   def moe_experts(  # pylint: disable=too-many-positional-arguments
-      self, x, weights, indices, w_gate, w_up, w_down, *, activation, dtype, method="tiled"
+      self,
+      x,
+      weights,
+      indices,
+      w_gate,
+      w_up,
+      w_down,
+      *,
+      activation,
+      dtype,
+      method="tiled",
+      b_gate=None,
+      b_up=None,
+      b_down=None,
+      glu=None,
   ):
     if method not in _EXPERT_FNS:
       raise ValueError(f"MoE method must be one of {EXPERT_METHODS}, got {method!r}")
-    return _EXPERT_FNS[method](x, weights, indices, w_gate, w_up, w_down, activation=activation, dtype=dtype)
+    extra = {"b_gate": b_gate, "b_up": b_up, "b_down": b_down, "glu": glu}
+    extra = {k: v for k, v in extra.items() if v is not None}  # the plain expert MLP: exactly the old call
+    return _EXPERT_FNS[method](x, weights, indices, w_gate, w_up, w_down, activation=activation, dtype=dtype, **extra)
 
 
 _BACKENDS: dict[str, Callable[[jax.sharding.Mesh | None], KernelBackend]] = {REFERENCE: ReferenceBackend}

@@ -12,6 +12,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from maxtext.kernels.experts import Glu, add_bias, check_biases, gated
+
 
 def _check_shapes(x, weights, indices, w_gate, w_up, w_down) -> None:
   if x.ndim != 2 or weights.ndim != 2 or indices.shape != weights.shape or indices.shape[0] != x.shape[0]:
@@ -54,6 +56,10 @@ def experts_ragged(
     *,
     activation: Callable[[jax.Array], jax.Array],
     dtype: jnp.dtype,
+    b_gate: jax.Array | None = None,
+    b_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
+    glu: Glu | None = None,
 ) -> jax.Array:
   """Only the selected experts per token, as grouped matmuls over the rows sorted by expert.
 
@@ -66,6 +72,9 @@ def experts_ragged(
     w_down: `[E, F, D]`.
     activation: gate activation.
     dtype: compute dtype.
+    b_gate, b_up: `[E, F]` biases of the gate and up projections, or None.
+    b_down: `[E, D]` bias of the down projection, or None.
+    glu: `(gate, up) -> hidden` replacing `activation(gate) * up`, or None.
 
   Returns:
     `[T, D]` in `dtype`.
@@ -74,13 +83,16 @@ def experts_ragged(
     ValueError: shapes that disagree (the message names the array and both shapes).
   """
   _check_shapes(x, weights, indices, w_gate, w_up, w_down)
+  check_biases(w_gate, b_gate, b_up, b_down)
   num_experts, emb_dim, _ = w_gate.shape
   num_tokens, top_k = indices.shape
   order, token_of_row, group_sizes = sort_by_expert(indices, num_experts)
+  expert_of_row = indices.reshape(-1)[order]  # [T * k] expert of each sorted row
   rows = x.astype(dtype)[token_of_row]  # [T * k, D], expert-major
-  gate = jax.lax.ragged_dot(rows, w_gate.astype(dtype), group_sizes)  # [T * k, F]
-  up = jax.lax.ragged_dot(rows, w_up.astype(dtype), group_sizes)
-  y = jax.lax.ragged_dot(activation(gate) * up, w_down.astype(dtype), group_sizes)  # [T * k, D]
+  gate = add_bias(jax.lax.ragged_dot(rows, w_gate.astype(dtype), group_sizes), b_gate, expert_of_row, dtype)  # [T * k, F]
+  up = add_bias(jax.lax.ragged_dot(rows, w_up.astype(dtype), group_sizes), b_up, expert_of_row, dtype)
+  y = jax.lax.ragged_dot(gated(gate, up, activation, glu), w_down.astype(dtype), group_sizes)  # [T * k, D]
+  y = add_bias(y, b_down, expert_of_row, dtype)
   # Back to (token, choice) order: sorted position p holds flat row order[p].
   y = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(num_tokens, top_k, emb_dim)
   return jnp.einsum("tk,tkd->td", weights.astype(dtype), y)
@@ -107,6 +119,10 @@ def experts_tiled(
     *,
     activation: Callable[[jax.Array], jax.Array],
     dtype: jnp.dtype,
+    b_gate: jax.Array | None = None,
+    b_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
+    glu: Glu | None = None,
 ) -> jax.Array:
   """`experts_ragged`'s grouped matmul as a loop over expert tiles, for backends without a native grouped matmul.
 
@@ -116,6 +132,7 @@ def experts_tiled(
   result and errors as `experts_ragged`.
   """
   _check_shapes(x, weights, indices, w_gate, w_up, w_down)
+  check_biases(w_gate, b_gate, b_up, b_down)
   num_experts, emb_dim, _ = w_gate.shape
   num_tokens, top_k = indices.shape
   num_rows = num_tokens * top_k
@@ -135,8 +152,8 @@ def experts_tiled(
   def body(tile, out):
     e = tile_expert[tile]
     rows = tokens[tile]  # [m, D]
-    h = activation(rows @ w_gate[e]) * (rows @ w_up[e])
-    return out.at[tile].set(h @ w_down[e])
+    h = gated(add_bias(rows @ w_gate[e], b_gate, e, dtype), add_bias(rows @ w_up[e], b_up, e, dtype), activation, glu)
+    return out.at[tile].set(add_bias(h @ w_down[e], b_down, e, dtype))
 
   tiles_out = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros((max_tiles, m, emb_dim), dtype))  # [N, m, D]
   # Tile slot (tile, i) holds sorted row sorted_row[tile, i], i.e. flat (token, choice) row order[...].

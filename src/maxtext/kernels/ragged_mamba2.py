@@ -21,7 +21,9 @@ def _time_step(dt: jax.Array, dt_bias: jax.Array, time_step_limit: tuple[float, 
   return jnp.minimum(out, hi) if hi > 0 else out
 
 
-def _validate(x, dt, b, c, a_log, d, dt_bias, ssm_state, state_indices, query_start_loc, seq_lens, distribution, limit, read):
+def _validate(
+    x, dt, b, c, a_log, d, dt_bias, ssm_state, state_indices, query_start_loc, seq_lens, distribution, limit, read
+):
   where = "ragged_mamba2"
   if x.ndim != 3:
     raise ValueError(f"{where}: x must be [T, nh, hd]; got shape {x.shape}")

@@ -1,7 +1,8 @@
 """Grouped-query attention with the variants of the supported families.
 
 Variants: q/k RMSNorm before RoPE, partial RoPE or none (NoPE), per-head sigmoid output gate (Qwen3-Next/3.5),
-sliding window, tanh logit soft cap, projection biases, and KV-shared layers that read K/V computed by a source layer.
+sliding window, tanh logit soft cap, projection biases, per-head attention sinks (gpt-oss: a learned logit per head
+that joins the softmax but adds no value), and KV-shared layers that read K/V computed by a source layer.
 
 The module splits into `query`, `key_value`, `attend` (the core op) and `output` so that the paged path replaces
 only the core op with the kernel backend's ragged paged attention while reusing projections, norms, RoPE and gates.
@@ -19,6 +20,7 @@ from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.kernels.backend import KernelBackend
 from maxtext.kernels.cache_spec import AttentionSpec, kv_cache_dtype
 from maxtext.kernels.kv_cache_layout import get_padded_num_heads
+from maxtext.layers.initializers import draw_key, uniform
 from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.mixer import KV, Mixer, register_mixer
 from maxtext.layers.normalizations import RMSNorm
@@ -27,8 +29,8 @@ from maxtext.layers.rotary import RopeSpec, apply_rope
 
 def rope_spec(cfg: ml_collections.FrozenConfigDict, layer_type: str) -> RopeSpec:
   """RoPE of an attention layer: global layers use `rope_max_timescale` and `rope_type` scaling; sliding layers
-  use `local_rope_max_timescale` without scaling."""
-  if layer_type == SLIDING_ATTENTION:
+  use `local_rope_max_timescale` without scaling, except in families with one RoPE for every layer (gpt-oss)."""
+  if layer_type == SLIDING_ATTENTION and not cfg.use_global_rope_on_sliding:
     return RopeSpec(rotary_dim=cfg.rotary_dim, theta=cfg.local_rope_max_timescale)
   return RopeSpec(
       rotary_dim=cfg.rotary_dim,
@@ -38,6 +40,10 @@ def rope_spec(cfg: ml_collections.FrozenConfigDict, layer_type: str) -> RopeSpec
       low_freq_factor=cfg.rope_low_freq_factor,
       high_freq_factor=cfg.rope_high_freq_factor,
       original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+      beta_fast=cfg.rope_beta_fast,
+      beta_slow=cfg.rope_beta_slow,
+      truncate=cfg.rope_truncate,
+      attention_factor=cfg.rope_attention_factor,
   )
 
 
@@ -68,6 +74,7 @@ def dot_product_attention(
     *,
     scale: float,
     soft_cap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
   """Softmax attention in float32 with grouped KV heads (query head h reads KV head h // (Hq / Hkv)).
 
@@ -78,6 +85,8 @@ def dot_product_attention(
     mask: `[B, T, S]` or broadcastable boolean, True = attend. Every query row needs one True entry.
     scale: multiplier of the logits.
     soft_cap: `c * tanh(logits / c)` before masking when > 0.
+    sinks: `[Hq]` per-head sink logits (unscaled): an extra softmax column that takes probability mass and
+      contributes no value; None for none.
 
   Returns:
     `[B, T, Hq, Dh]` in the dtype of `q`.
@@ -92,14 +101,21 @@ def dot_product_attention(
     logits = soft_cap * jnp.tanh(logits / soft_cap)
   mask = jnp.broadcast_to(mask, (b, t, k.shape[1]))[:, None, None]
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+  if sinks is None:
+    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+  else:
+    if sinks.shape != (hq,):
+      raise ValueError(f"sinks must have shape (Hq,) = ({hq},), got {sinks.shape}")
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1), logits.shape[:-1] + (1,))
+    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1].astype(q.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(q.dtype))
   return out.reshape(b, t, hq, dh)
 
 
 @register_mixer
 class Attention(Mixer):
-  """Attention mixer with parameters `q`, `gate`, `k`, `v`, `o`, `q_norm`, `k_norm` (kernels `[in..., out...]`)."""
+  """Attention mixer with parameters `q`, `gate`, `k`, `v`, `o`, `q_norm`, `k_norm` (kernels `[in..., out...]`) and
+  `sinks` `[Hq]`."""
 
   layer_types = (FULL_ATTENTION, SLIDING_ATTENTION)
   cache_kind = ATTENTION_CACHE
@@ -121,6 +137,7 @@ class Attention(Mixer):
       zero_centered_norm: bool = False,
       norm_eps: float = 1e-6,
       use_output_gate: bool = False,
+      use_sinks: bool = False,
       is_kv_shared: bool = False,
       cache_kv_heads: int | None = None,
       dtype: jnp.dtype = jnp.float32,
@@ -164,6 +181,7 @@ class Attention(Mixer):
     norm_kw = {"eps": norm_eps, "zero_centered": zero_centered_norm, "weight_dtype": weight_dtype}
     self.q_norm = RMSNorm(head_dim, **norm_kw) if use_qk_norm else None
     self.k_norm = RMSNorm(head_dim, **norm_kw) if use_qk_norm and not is_kv_shared else None
+    self.sinks = nnx.Param(uniform(draw_key(rngs), (num_query_heads,), weight_dtype, 1.0)) if use_sinks else None
 
   @classmethod
   def from_config(cls, cfg: ml_collections.FrozenConfigDict, layer_index: int, *, rngs: nnx.Rngs) -> "Attention":
@@ -183,6 +201,7 @@ class Attention(Mixer):
         zero_centered_norm=cfg.use_zero_centered_norm,
         norm_eps=cfg.normalization_layer_epsilon,
         use_output_gate=cfg.use_attention_output_gate,
+        use_sinks=cfg.use_attention_sinks,
         is_kv_shared=cfg.kv_shared_source[layer_index] >= 0,
         cache_kv_heads=cls.cache_spec(cfg, layer_index).num_kv_heads,
         dtype=jnp.dtype(cfg.dtype),
@@ -238,7 +257,11 @@ class Attention(Mixer):
     """Dense causal core op over a full sequence: `[B, T, Hq, Dh]`, `[B, T, Hkv, Dh]` x2 -> `[B, T, Hq, Dh]`."""
     index = jnp.arange(q.shape[1])
     mask = attention_mask(index, index, sliding_window=self.sliding_window)
-    return dot_product_attention(q, k, v, mask, scale=self.scale, soft_cap=self.soft_cap)
+    return dot_product_attention(q, k, v, mask, scale=self.scale, soft_cap=self.soft_cap, sinks=self.sink_logits())
+
+  def sink_logits(self) -> jax.Array | None:
+    """`[Hq]` fp32 sink logits, or None."""
+    return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
   def output(self, attn: jax.Array, x: jax.Array) -> jax.Array:
     """Output gate (sigmoid of `gate(x)`, per head and dim) then `o`: `[..., Hq, Dh]` -> `[..., D]`."""
@@ -284,7 +307,7 @@ class Attention(Mixer):
         md.block_tables,
         md.query_start_loc,
         md.request_distribution,
-        None,
+        self.sink_logits(),
         self.scale,
         attention_chunk_size=self.sliding_window or None,
         update_kv_cache=not self.is_kv_shared,

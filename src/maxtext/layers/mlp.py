@@ -1,4 +1,4 @@
-"""Gated MLP: `down(act(gate(x)) * up(x))` with silu or tanh-approximated gelu."""
+"""Gated MLP: `down(act(gate(x)) * up(x))` with silu or tanh-approximated gelu; gpt-oss's clamped SwiGLU."""
 
 from typing import Callable
 
@@ -12,6 +12,13 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
 }
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, *, alpha: float, limit: float) -> jax.Array:
+  """gpt-oss's expert activation: `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with
+  `g = min(gate, limit)` (the gate is clamped from above only)."""
+  g = jnp.minimum(gate, limit)
+  return (jnp.clip(up, -limit, limit) + 1.0) * (g * jax.nn.sigmoid(alpha * g))
 
 
 def get_activation(name: str) -> Callable[[jax.Array], jax.Array]:

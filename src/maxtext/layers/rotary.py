@@ -1,4 +1,8 @@
-"""Rotary position embedding: half-split (`rotate_half`) layout, full or partial rotary dim, scaling variants."""
+"""Rotary position embedding: half-split (`rotate_half`) layout, full or partial rotary dim, scaling variants.
+
+YaRN (gpt-oss) blends interpolated and extrapolated frequencies over a ramp of dims and multiplies cos and sin by
+an attention factor, so q . k is scaled by its square.
+"""
 
 import dataclasses
 import math
@@ -7,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,11 +21,16 @@ class RopeSpec:
   Attributes:
     rotary_dim: number of leading head dims that rotate (even); the rest pass through.
     theta: base timescale.
-    rope_type: "default" | "linear" (positions divided by `scaling_factor`) | "llama3" (Llama 3.1 band scaling).
-    scaling_factor: factor of linear / llama3 scaling.
+    rope_type: "default" | "linear" (positions divided by `scaling_factor`) | "llama3" (Llama 3.1 band scaling) |
+      "yarn" (YaRN ramp between interpolated and extrapolated frequencies).
+    scaling_factor: factor of linear / llama3 / yarn scaling.
     low_freq_factor: llama3 low-frequency factor.
     high_freq_factor: llama3 high-frequency factor.
-    original_max_position_embeddings: llama3 original context length.
+    original_max_position_embeddings: llama3 / yarn original context length.
+    beta_fast: yarn rotation count that bounds the extrapolated (high-frequency) dims.
+    beta_slow: yarn rotation count that bounds the interpolated (low-frequency) dims.
+    truncate: yarn rounds the ramp bounds to whole dims (floor / ceil).
+    attention_factor: yarn multiplier of cos and sin; 0 derives it as `0.1 ln(factor) + 1` (1 when factor <= 1).
   """
 
   rotary_dim: int
@@ -31,6 +40,10 @@ class RopeSpec:
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True
+  attention_factor: float = 0.0
 
   def __post_init__(self) -> None:
     if self.rotary_dim <= 0 or self.rotary_dim % 2:
@@ -46,6 +59,18 @@ class RopeSpec:
           "llama3 rope scaling needs high_freq_factor > low_freq_factor, got "
           f"{self.high_freq_factor} <= {self.low_freq_factor}"
       )
+    if self.rope_type == "yarn" and not self.beta_fast > self.beta_slow > 0:
+      raise ValueError(f"yarn rope scaling needs beta_fast > beta_slow > 0, got {self.beta_fast} and {self.beta_slow}")
+    if self.attention_factor < 0:
+      raise ValueError(f"RopeSpec.attention_factor must be >= 0 (0 = derived), got {self.attention_factor}")
+
+  def attention_scaling(self) -> float:
+    """The multiplier of cos and sin: yarn's attention factor, 1 for the other types."""
+    if self.rope_type != "yarn":
+      return 1.0
+    if self.attention_factor > 0:
+      return float(self.attention_factor)
+    return 1.0 if self.scaling_factor <= 1 else 0.1 * math.log(self.scaling_factor) + 1.0
 
   def inv_freq(self) -> np.ndarray:
     """Inverse frequencies `[rotary_dim // 2]` (float32, computed like transformers)."""
@@ -55,7 +80,32 @@ class RopeSpec:
       return (inv_freq / np.float32(self.scaling_factor)).astype(np.float32)
     if self.rope_type == "llama3":
       return _llama3_scale(inv_freq, self)
+    if self.rope_type == "yarn":
+      return _yarn_scale(inv_freq, self)
     return inv_freq
+
+
+def _yarn_correction_dim(rotations: float, spec: RopeSpec) -> float:
+  """The (fractional) dim whose wavelength makes `rotations` turns over the original context."""
+  dim, length = spec.rotary_dim, spec.original_max_position_embeddings
+  return dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+
+def _yarn_scale(inv_freq: np.ndarray, spec: RopeSpec) -> np.ndarray:
+  """YaRN: dims below the `beta_fast` bound keep their frequency, dims above `beta_slow` are divided by the factor,
+  a linear ramp in between (float32, as transformers computes it)."""
+  low, high = _yarn_correction_dim(spec.beta_fast, spec), _yarn_correction_dim(spec.beta_slow, spec)
+  if spec.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, spec.rotary_dim - 1)
+  if low == high:
+    high += 0.001  # a one-dim ramp would divide by zero
+  ramp = np.clip((np.arange(spec.rotary_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+  keep = (np.float32(1.0) - ramp).astype(np.float32)  # 1: extrapolate (keep), 0: interpolate (divide)
+  exponents = np.arange(0, spec.rotary_dim, 2, dtype=np.float32) / np.float32(spec.rotary_dim)
+  pos_freqs = np.power(np.float32(spec.theta), exponents).astype(np.float32)
+  interpolated = (np.float32(1.0) / (np.float32(spec.scaling_factor) * pos_freqs)).astype(np.float32)
+  return (interpolated * (np.float32(1.0) - keep) + inv_freq * keep).astype(np.float32)
 
 
 def _llama3_scale(inv_freq: np.ndarray, spec: RopeSpec) -> np.ndarray:
@@ -83,7 +133,8 @@ def rotate_half(x: jax.Array) -> jax.Array:
 def apply_rope(x: jax.Array, positions: jax.Array, spec: RopeSpec) -> jax.Array:
   """Rotates the first `spec.rotary_dim` dims of every head.
 
-  Angles are formed in float32; cos/sin are cast to the dtype of `x` (as transformers does).
+  Angles are formed in float32; cos/sin (times yarn's attention factor) are cast to the dtype of `x` (as
+  transformers does).
 
   Args:
     x: `[..., T, H, Dh]` queries or keys.
@@ -99,8 +150,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, spec: RopeSpec) -> jax.Array:
   inv_freq = jnp.asarray(spec.inv_freq())
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, rd/2]
   angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]  # [..., T, 1, rd]
-  cos = jnp.cos(angles).astype(x.dtype)
-  sin = jnp.sin(angles).astype(x.dtype)
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  scaling = spec.attention_scaling()
+  if scaling != 1.0:
+    cos, sin = cos * scaling, sin * scaling
+  cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
   x_rot = x[..., :rd]
   rotated = x_rot * cos + rotate_half(x_rot) * sin
   if rd == x.shape[-1]:

@@ -54,6 +54,9 @@ class DecoderLayer(nnx.Module):
           gate_shared=cfg.shared_expert_gate,
           normalize_top_k=cfg.norm_topk_prob,
           activation=activation,
+          use_bias=cfg.use_moe_bias,
+          swiglu_alpha=cfg.swiglu_alpha,
+          swiglu_limit=cfg.swiglu_limit if cfg.use_clamped_swiglu else 0.0,
           **kw,
       )
     else:

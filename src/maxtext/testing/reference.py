@@ -56,10 +56,40 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, zero_centered: bool) -> n
   return y * (1.0 + w if zero_centered else w)
 
 
+def yarn_inv_freq(base: np.ndarray, rotary_dim: int, theta: float, factor: float, original_max: int,
+                  beta_fast: float, beta_slow: float, truncate: bool) -> np.ndarray:  # fmt: skip
+  """YaRN: frequency i keeps its value below the dim making `beta_fast` turns over the original context, is divided
+  by the factor above the one making `beta_slow` turns, and blends linearly in between."""
+
+  def dim_of(turns):
+    return rotary_dim * math.log(original_max / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+  lo, hi = dim_of(beta_fast), dim_of(beta_slow)
+  if truncate:
+    lo, hi = math.floor(lo), math.ceil(hi)
+  lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
+  hi = hi + 0.001 if lo == hi else hi
+  out = np.empty_like(base)
+  for i, f in enumerate(base):
+    interpolate = min(max((i - lo) / (hi - lo), 0.0), 1.0)  # 0: keep f, 1: f / factor
+    out[i] = (1 - interpolate) * f + interpolate * f / factor
+  return out
+
+
+def yarn_attention_factor(factor: float, given: float = 0.0) -> float:
+  """YaRN's multiplier of cos and sin: `given` when set, else `0.1 ln(factor) + 1` (1 for factor <= 1)."""
+  if given > 0:
+    return given
+  return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
 def inv_freq(rotary_dim: int, theta: float, rope_type: str = "default", factor: float = 1.0, low: float = 1.0,
-             high: float = 4.0, original_max: int = 8192) -> np.ndarray:  # fmt: skip
-  """Inverse frequencies `[rotary_dim/2]` with default, linear or llama3 scaling."""
+             high: float = 4.0, original_max: int = 8192, beta_fast: float = 32.0, beta_slow: float = 1.0,
+             truncate: bool = True) -> np.ndarray:  # fmt: skip
+  """Inverse frequencies `[rotary_dim/2]` with default, linear, llama3 or yarn scaling."""
   base = theta ** -(np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+  if rope_type == "yarn":
+    return yarn_inv_freq(base, rotary_dim, theta, factor, original_max, beta_fast, beta_slow, truncate)
   if rope_type == "linear":
     return base / factor
   if rope_type == "llama3":
@@ -77,13 +107,14 @@ def inv_freq(rotary_dim: int, theta: float, rope_type: str = "default", factor: 
   return base
 
 
-def rope(x: np.ndarray, positions: np.ndarray, freqs: np.ndarray) -> np.ndarray:
-  """Half-split RoPE on the first `2 * len(freqs)` dims of `x [T, H, Dh]` at `positions [T]`."""
+def rope(x: np.ndarray, positions: np.ndarray, freqs: np.ndarray, mscale: float = 1.0) -> np.ndarray:
+  """Half-split RoPE on the first `2 * len(freqs)` dims of `x [T, H, Dh]` at `positions [T]`, cos and sin times
+  `mscale` (YaRN's attention factor)."""
   x = f64(x).copy()
   half = len(freqs)
   for t, p in enumerate(positions):
     for i, f in enumerate(freqs):
-      c, s = math.cos(p * f), math.sin(p * f)
+      c, s = mscale * math.cos(p * f), mscale * math.sin(p * f)
       a, b = x[t, :, i].copy(), x[t, :, i + half].copy()
       x[t, :, i] = a * c - b * s
       x[t, :, i + half] = b * c + a * s
@@ -103,9 +134,11 @@ def attention(
     eps: float = 1e-6,
     zero_centered: bool = False,
     shared_kv: tuple[np.ndarray, np.ndarray] | None = None,
+    mscale: float = 1.0,
 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
   """One sequence `x [T, D]` through an attention layer whose params are `p[prefix + "q.kernel"]` etc.
 
+  With `p[prefix + "sinks"]` (`[Hq]`), head h's softmax has one more term `exp(sinks[h])` that weights no value.
   Returns the output `[T, D]` and the (roped) K/V `[T, Hkv, Dh]` used.
   """
   x = f64(x)
@@ -117,12 +150,12 @@ def attention(
   q = proj("q")
   if f"{prefix}q_norm.scale" in p:
     q = rms_norm(q, p[f"{prefix}q_norm.scale"], eps, zero_centered)
-  q = rope(q, positions, freqs)
+  q = rope(q, positions, freqs, mscale)
   if shared_kv is None:
     k = proj("k")
     if f"{prefix}k_norm.scale" in p:
       k = rms_norm(k, p[f"{prefix}k_norm.scale"], eps, zero_centered)
-    k, v = rope(k, positions, freqs), proj("v")
+    k, v = rope(k, positions, freqs, mscale), proj("v")
   else:
     k, v = shared_kv
   t, hq, dh = q.shape
@@ -134,8 +167,10 @@ def attention(
       logits = np.array([q[i, h] @ k[j, h // group] for j in js]) * scale
       if soft_cap > 0:
         logits = soft_cap * np.tanh(logits / soft_cap)
-      w = np.exp(logits - logits.max())
-      w /= w.sum()
+      sink = f64(p[f"{prefix}sinks"])[h] if f"{prefix}sinks" in p else None
+      top = logits.max() if sink is None else max(logits.max(), sink)
+      w = np.exp(logits - top)
+      w /= w.sum() + (0.0 if sink is None else math.exp(sink - top))
       out[i, h] = sum(wj * v[j, h // group] for wj, j in zip(w, js))
   if f"{prefix}gate.kernel" in p:
     out = out * sigmoid(np.einsum("td,dhk->thk", x, f64(p[f"{prefix}gate.kernel"])))
@@ -250,6 +285,30 @@ def mlp(x: np.ndarray, p: Params, prefix: str, activation: str) -> np.ndarray:
   return proj("down", ACTIVATIONS[activation](proj("gate", x)) * proj("up", x))
 
 
+def clamped_swiglu(gate: np.ndarray, up: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+  """gpt-oss: `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha g)` with `g = min(gate, limit)`."""
+  g = np.minimum(gate, limit)
+  return (np.clip(up, -limit, limit) + 1.0) * g * sigmoid(alpha * g)
+
+
+def gpt_oss_moe(x: np.ndarray, p: Params, prefix: str, *, top_k: int, alpha: float, limit: float) -> np.ndarray:
+  """gpt-oss routed experts, token by token: biased router logits, top-k, softmax over the k chosen logits, biased
+  experts with the clamped SwiGLU."""
+  x = f64(x)
+  logits = x @ f64(p[prefix + "router.kernel"]) + f64(p[prefix + "router.bias"])
+  wg, wu, wd = f64(p[prefix + "gate"]), f64(p[prefix + "up"]), f64(p[prefix + "down"])
+  bg, bu, bd = f64(p[prefix + "gate_bias"]), f64(p[prefix + "up_bias"]), f64(p[prefix + "down_bias"])
+  out = np.zeros_like(x)
+  for t in range(x.shape[0]):
+    chosen = np.argsort(-logits[t], kind="stable")[:top_k]
+    weights = np.exp(logits[t, chosen] - logits[t, chosen].max())
+    weights /= weights.sum()
+    for w, e in zip(weights, chosen):
+      h = clamped_swiglu(x[t] @ wg[e] + bg[e], x[t] @ wu[e] + bu[e], alpha, limit)
+      out[t] += w * (h @ wd[e] + bd[e])
+  return out
+
+
 def moe(x: np.ndarray, p: Params, prefix: str, *, top_k: int, normalize: bool, activation: str) -> np.ndarray:
   """Softmax top-k routed experts plus the sigmoid-gated shared expert, token by token."""
   x = f64(x)
@@ -311,7 +370,8 @@ def model_forward(cfg: Any, p: Params, tokens: np.ndarray) -> np.ndarray:
           eps=eps,
       )
     else:
-      if kind == "sliding_attention":
+      mscale = 1.0
+      if kind == "sliding_attention" and block != "gpt_oss":  # gpt-oss: one (yarn) RoPE for every layer
         freqs = inv_freq(rd, cfg.local_rope_max_timescale)
       else:
         freqs = inv_freq(
@@ -322,7 +382,12 @@ def model_forward(cfg: Any, p: Params, tokens: np.ndarray) -> np.ndarray:
             cfg.rope_low_freq_factor,
             cfg.rope_high_freq_factor,
             cfg.rope_original_max_position_embeddings,
+            cfg.rope_beta_fast,
+            cfg.rope_beta_slow,
+            cfg.rope_truncate,
         )
+        if cfg.rope_type == "yarn":
+          mscale = yarn_attention_factor(cfg.rope_scaling_factor, cfg.rope_attention_factor)
       src = cfg.kv_shared_source[i]
       h, kvs[i] = attention(
           h,
@@ -336,12 +401,15 @@ def model_forward(cfg: Any, p: Params, tokens: np.ndarray) -> np.ndarray:
           eps=eps,
           zero_centered=zc,
           shared_kv=kvs[src] if src >= 0 else None,
+          mscale=mscale,
       )
     if block == "gemma3":
       h = rms_norm(h, p[pre + "post_attn_norm.scale"], eps, zc)
     x = x + h
     h = rms_norm(x, p[pre + "pre_mlp_norm.scale"], eps, zc)
-    if cfg.moe_layers[i]:
+    if block == "gpt_oss":
+      h = gpt_oss_moe(h, p, pre + "moe.", top_k=cfg.num_experts_per_tok, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    elif cfg.moe_layers[i]:
       h = moe(h, p, pre + "moe.", top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob, activation=act)
     else:
       h = mlp(h, p, pre + "mlp.", act)

@@ -1,7 +1,8 @@
 """Tiny random Hugging Face checkpoints of every supported family, written by transformers' save_pretrained.
 
 `hf_checkpoint(case, **save_kwargs)` builds the model (float32, seeded), adds seeded noise to every 1-D parameter
-(norm weights, A_log, dt_bias, biases; transformers initialises (1+w) norm weights to exactly 0), saves it to a
+and every `*_bias` (norm weights, A_log, dt_bias, biases, sinks, gpt-oss expert biases; transformers initialises
+(1+w) norm weights and biases to exactly 0), saves it to a
 session-wide temp folder and returns (folder, torch model). Sizes are those of the families' tiny configs. Needs
 torch and transformers (tests using it are marked `hf`).
 """
@@ -155,6 +156,32 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "bamba",
         dict(_COMMON, **_MAMBA, num_hidden_layers=4, head_dim=16, mamba_n_groups=1, attn_layer_indices=[1]),
     ),
+    # gpt-oss-tiny's shapes; init 0.2 and swiglu_limit 1.5 so that both clamps of the SwiGLU act.
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            _COMMON,
+            head_dim=64,
+            intermediate_size=48,
+            num_hidden_layers=4,
+            rms_norm_eps=1e-5,
+            initializer_range=0.2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=1.5,
+            max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
 }
 
 
@@ -170,8 +197,8 @@ def build_hf_model(case: str, seed: int = 0) -> Any:
   model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
   generator = torch.Generator().manual_seed(seed + 1)
   with torch.no_grad():
-    for param in model.parameters():
-      if param.ndim == 1:
+    for name, param in model.named_parameters():
+      if param.ndim == 1 or name.endswith("_bias"):
         param.add_(0.1 * torch.randn(param.shape, generator=generator))
   return model.eval()
 

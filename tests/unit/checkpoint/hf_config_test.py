@@ -236,10 +236,10 @@ def test_qwen3_sliding_window_layers_follow_max_window_layers():
             r"text_config.model_type 'qwen3_next' of a 'qwen3_5' model is not supported \(expected 'qwen3_5_text'\)",
         ),
         (
-            dict(LLAMA, rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+            dict(LLAMA, rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
             NotImplementedError,
-            r"rope type 'yarn' \(rope_parameters\) of Hugging Face model_type 'llama' is not supported "
-            r"\(supported: default, linear, llama3\)",
+            r"rope type 'dynamic' \(rope_parameters\) of Hugging Face model_type 'llama' is not supported "
+            r"\(supported: default, linear, llama3, yarn\)",
         ),
         (
             {"model_type": "gemma3_text", "rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2}}},

@@ -66,6 +66,7 @@ _PARITY_CASES = [
     pytest.param("granite_moe", id="granite4-moe-rope-biases-dtlimit", marks=pytest.mark.slow),
     pytest.param("granite_dense", id="granite4-dense-nope"),
     pytest.param("bamba", id="bamba-partial-rope"),
+    pytest.param("gpt_oss", id="gpt_oss-sinks-window8-yarn-biased-moe-clamped-swiglu"),
 ]
 
 

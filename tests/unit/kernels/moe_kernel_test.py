@@ -1,13 +1,17 @@
 """kernels/moe.py (named apart from layers/moe_test.py: test basenames must be unique): grouped-matmul experts
 (ragged_dot and tiled) against experts_dense and a float64 NumPy reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from maxtext.kernels.backend import default_backend
 from maxtext.kernels.experts import experts_dense
 from maxtext.kernels.moe import experts_ragged, experts_tiled, sort_by_expert, tile_rows
+from maxtext.layers.mlp import clamped_swiglu
 
 KERNELS = {"ragged": experts_ragged, "tiled": experts_tiled}
 
@@ -106,3 +110,40 @@ def test_kernel_rejects_shapes_that_disagree(kernel, shapes, match):
   arrays = [jnp.zeros(s, jnp.int32 if i == 2 else jnp.float32) for i, s in enumerate(shapes)]
   with pytest.raises(ValueError, match=match):
     KERNELS[kernel](*arrays, activation=jax.nn.silu, dtype=jnp.float32)
+
+
+def _clamped_swiglu64(gate, up, alpha=1.702, limit=0.8):
+  g = np.minimum(gate, limit)
+  return (np.clip(up, -limit, limit) + 1) * g / (1 + np.exp(-alpha * g))
+
+
+@pytest.mark.parametrize("method", ["tiled", "ragged", "dense", "gather"])
+def test_every_method_takes_expert_biases_and_a_glu(method):
+  """gpt-oss experts: biased gate/up/down and the clamped SwiGLU, in every backend method, against float64."""
+  x, weights, indices, wg, wu, wd = _case(9, 5, 2, seed=3)
+  rng = np.random.default_rng(4)
+  bg, bu = (rng.normal(size=(5, 12)).astype(np.float32) for _ in range(2))
+  bd = rng.normal(size=(5, 16)).astype(np.float32)
+  glu = functools.partial(clamped_swiglu, alpha=1.702, limit=0.8)
+  args = [jnp.asarray(a) for a in (x, weights, indices, wg, wu, wd, bg, bu, bd)]
+  out = default_backend().moe_experts(
+      *args[:6], activation=jax.nn.silu, dtype=jnp.float32, method=method, b_gate=args[6], b_up=args[7],
+      b_down=args[8], glu=glu,
+  )  # fmt: skip
+  ref = np.zeros((9, 16))
+  gates = []
+  for t in range(9):
+    for j, e in enumerate(indices[t]):
+      xt = x[t].astype(np.float64)
+      gate = xt @ wg[e].astype(np.float64) + bg[e]
+      gates.append(gate)
+      h = _clamped_swiglu64(gate, xt @ wu[e].astype(np.float64) + bu[e])
+      ref[t] += weights[t, j] * (h @ wd[e].astype(np.float64) + bd[e])
+  assert np.mean(np.concatenate(gates) > 0.8) > 0.1  # the clamp acts
+  np.testing.assert_allclose(np.asarray(out), ref, atol=3e-5, rtol=1e-5)
+
+
+def test_bias_shapes_are_checked():
+  x, weights, indices, wg, wu, wd = _case(3, 4, 2)
+  with pytest.raises(ValueError, match=r"b_down of shape \(4, 16\) \(w_gate \(4, 16, 12\)\); got \(4, 12\)"):
+    experts_tiled(x, weights, indices, wg, wu, wd, activation=jax.nn.silu, dtype=jnp.float32, b_down=np.zeros((4, 12)))

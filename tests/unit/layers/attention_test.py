@@ -1,4 +1,5 @@
-"""Attention: GQA, q/k norm before RoPE, partial RoPE, output gate, sliding window, soft cap, bias, KV sharing."""
+"""Attention: GQA, q/k norm before RoPE, partial RoPE, output gate, sliding window, soft cap, bias, sinks, KV
+sharing."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -49,8 +50,13 @@ def _ref_attention(x, p, *, pos, rd, theta, scale, window, cap, zero_centered, k
   i, j = np.arange(len(x))[:, None], np.arange(len(x))[None, :]
   mask = (j <= i) & ((j > i - window) if window else True)
   logits = np.where(mask, logits, -np.inf)
-  probs = np.exp(logits - np.max(logits, axis=-1, keepdims=True))
-  probs /= probs.sum(-1, keepdims=True)
+  if "sinks" in p:  # one more softmax column per head, weighting no value
+    sinks = np.broadcast_to(p["sinks"][:, None, None], logits.shape[:2] + (1,))
+    probs = np.exp(np.concatenate([logits, sinks], -1) - np.max(np.concatenate([logits, sinks], -1), -1, keepdims=True))
+    probs = (probs / probs.sum(-1, keepdims=True))[..., :-1]
+  else:
+    probs = np.exp(logits - np.max(logits, axis=-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
   out = np.einsum("hts,shd->thd", probs, v)
   if "gate.kernel" in p:
     out = out / (1 + np.exp(-np.einsum("td,dhk->thk", x, p["gate.kernel"])))
@@ -58,7 +64,7 @@ def _ref_attention(x, p, *, pos, rd, theta, scale, window, cap, zero_centered, k
 
 
 def _make(rngs_seed=0, *, rd=DH, theta=10000.0, window=0, cap=0.0, bias=False, qk_norm=False, zc=False, gate=False,
-          shared=False, scale=DH**-0.5):  # fmt: skip
+          shared=False, scale=DH**-0.5, sinks=False):  # fmt: skip
   layer = Attention(
       emb_dim=D,
       num_query_heads=HQ,
@@ -73,11 +79,12 @@ def _make(rngs_seed=0, *, rd=DH, theta=10000.0, window=0, cap=0.0, bias=False, q
       zero_centered_norm=zc,
       use_output_gate=gate,
       is_kv_shared=shared,
+      use_sinks=sinks,
       rngs=nnx.Rngs(rngs_seed),
   )
   rng = np.random.default_rng(rngs_seed + 100)
   for path, var in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
-    if path[-1] in ("bias", "scale"):  # non-trivial norms and biases
+    if path[-1] in ("bias", "scale", "sinks"):  # non-trivial norms, biases and sinks
       var.set_value(jnp.asarray(rng.normal(size=var.get_value().shape) * 0.5, jnp.float32))
   return layer
 
@@ -91,6 +98,8 @@ CASES = {
     "qk_norm_plain": {"qk_norm": True},
     "qk_norm_zero_centred_gate_partial_rope": {"qk_norm": True, "zc": True, "gate": True, "rd": 4, "theta": 1e7},
     "gemma_scale": {"qk_norm": True, "zc": True, "scale": 24**-0.5, "window": 3},
+    "gpt_oss_sinks_bias_window_3": {"sinks": True, "bias": True, "window": 3},
+    "sinks_full": {"sinks": True},
 }
 
 

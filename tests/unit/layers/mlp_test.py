@@ -1,11 +1,11 @@
-"""Gated MLP with silu / gelu-tanh and optional biases against float64 NumPy."""
+"""Gated MLP with silu / gelu-tanh and optional biases against float64 NumPy; gpt-oss's clamped SwiGLU."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext.layers.mlp import MLP, get_activation
+from maxtext.layers.mlp import MLP, clamped_swiglu, get_activation
 from maxtext.testing.reference import mlp as ref_mlp
 from maxtext.testing.reference import module_params
 
@@ -42,3 +42,12 @@ def test_unknown_activation():
     get_activation("relu")
   with pytest.raises(ValueError, match="got 'gelu'"):
     MLP(4, 8, activation="gelu", rngs=nnx.Rngs(0))
+
+
+def test_clamped_swiglu_clamps_gate_from_above_and_up_on_both_sides():
+  gate = jnp.asarray([-9.0, -1.0, 0.5, 3.0, 9.0])
+  up = jnp.asarray([-9.0, -0.5, 0.0, 2.0, 9.0])
+  got = np.asarray(clamped_swiglu(gate, up, alpha=1.702, limit=2.5))
+  g = np.minimum(np.asarray(gate, np.float64), 2.5)  # -9 stays -9: no lower clamp on the gate
+  want = (np.clip(np.asarray(up, np.float64), -2.5, 2.5) + 1) * g / (1 + np.exp(-1.702 * g))
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

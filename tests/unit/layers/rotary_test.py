@@ -1,4 +1,4 @@
-"""RoPE: half-split layout, partial rotary dim, llama3 / linear scaling, per-layer theta."""
+"""RoPE: half-split layout, partial rotary dim, llama3 / linear / yarn scaling, per-layer theta."""
 
 import math
 
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from maxtext.layers.rotary import RopeSpec, apply_rope, rotate_half
+from maxtext.testing import reference
 
 
 def _ref_inv_freq(rd, theta, rope_type="default", factor=1.0, low=1.0, high=4.0, orig=8192):
@@ -116,7 +117,12 @@ def test_rotate_half():
         ({"rotary_dim": 7, "theta": 1.0}, "rotary_dim must be a positive even number, got 7"),
         ({"rotary_dim": 0, "theta": 1.0}, "rotary_dim must be a positive even number, got 0"),
         ({"rotary_dim": 8, "theta": 0.0}, "theta must be positive, got 0.0"),
-        ({"rotary_dim": 8, "theta": 1.0, "rope_type": "yarn"}, "rope_type must be one of .*got 'yarn'"),
+        ({"rotary_dim": 8, "theta": 1.0, "rope_type": "dynamic"}, "rope_type must be one of .*got 'dynamic'"),
+        (
+            {"rotary_dim": 8, "theta": 1.0, "rope_type": "yarn", "beta_fast": 1.0, "beta_slow": 1.0},
+            "yarn rope scaling needs beta_fast > beta_slow > 0, got 1.0 and 1.0",
+        ),
+        ({"rotary_dim": 8, "theta": 1.0, "attention_factor": -1.0}, "attention_factor must be >= 0"),
         ({"rotary_dim": 8, "theta": 1.0, "rope_type": "linear", "scaling_factor": 0.0}, "scaling_factor must be pos"),
         (
             {"rotary_dim": 8, "theta": 1.0, "rope_type": "llama3", "low_freq_factor": 4.0, "high_freq_factor": 4.0},
@@ -132,3 +138,24 @@ def test_rope_spec_validation(kwargs, match):
 def test_apply_rope_rejects_rotary_dim_above_head_dim():
   with pytest.raises(ValueError, match="rotary_dim 16 exceeds head dim 8"):
     apply_rope(jnp.ones((2, 1, 8)), jnp.arange(2), RopeSpec(16, 10000.0))
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_blends_kept_and_scaled_frequencies_and_scales_cos_sin(truncate):
+  spec = RopeSpec(
+      rotary_dim=32, theta=150000.0, rope_type="yarn", scaling_factor=8.0, original_max_position_embeddings=32,
+      truncate=truncate,
+  )  # fmt: skip
+  base = reference.inv_freq(32, 150000.0)
+  ref = reference.inv_freq(32, 150000.0, "yarn", 8.0, original_max=32, truncate=truncate)
+  np.testing.assert_allclose(spec.inv_freq(), ref, rtol=2e-6)
+  # The three bands: the fastest frequency kept, the slowest divided by the factor, some strictly in between.
+  assert ref[0] == base[0] and math.isclose(ref[-1], base[-1] / 8.0)
+  assert np.any((ref < base) & (ref > base / 8.0))
+  mscale = 0.1 * math.log(8.0) + 1.0
+  assert math.isclose(spec.attention_scaling(), mscale)
+  assert math.isclose(RopeSpec(rotary_dim=8, theta=1e4, rope_type="yarn", attention_factor=1.5).attention_scaling(), 1.5)
+  x = np.random.default_rng(0).normal(size=(5, 2, 32)).astype(np.float32)
+  positions = np.array([0, 3, 17, 40, 100])
+  got = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions), spec))
+  np.testing.assert_allclose(got, mscale * _ref_rope(x, positions, ref), atol=2e-5)

@@ -37,6 +37,7 @@ FAMILIES = [
     "kvshare-tiny",
     "granite4-tiny",
     "bamba-tiny",
+    "gpt-oss-tiny",
 ]
 MAX_REQS = 8
 NUM_BLOCKS = 48
@@ -247,7 +248,7 @@ def test_chunked_prefill_then_token_by_token(name, chunk):
   _check(h, model, reqs, _chunked_schedule(reqs, chunk))
 
 
-@pytest.mark.parametrize("name", ["gemma3-tiny", "kvshare-tiny"])
+@pytest.mark.parametrize("name", ["gemma3-tiny", "kvshare-tiny", "gpt-oss-tiny"])
 def test_sliding_window_blocks_freed_and_reused_still_match(name):
   cfg, model = _model(name)
   assert cfg.sliding_window_size < 20

@@ -14,7 +14,7 @@ from maxtext.inference import LLM, SamplingParams
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.models import Transformer, flat_param_shapes, get_flat_params, param_count, sharding
 
-TINY = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "kvshare-tiny", "qwen3-next-tiny", "qwen3.5-tiny"]
+TINY = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "kvshare-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "gpt-oss-tiny"]
 
 
 @pytest.mark.parametrize("name", TINY + ["llama3.1-8b", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "gemma3-4b"])

@@ -11,7 +11,7 @@ from maxtext.configs import load_config
 from maxtext.models import Transformer, abstract_model, get_flat_params, param_count
 from maxtext.testing.reference import model_forward
 
-TINY = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "kvshare-tiny"]
+TINY = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "kvshare-tiny", "gpt-oss-tiny"]
 HYBRID = ("qwen3-next-tiny", "qwen3.5-tiny")
 T = 21  # longer than the sliding window (8) and the GDN chunk (8), not a multiple of either
 
@@ -27,11 +27,12 @@ FORWARD = nnx.jit(_forward)
 
 
 def _add_noise(model, seed):
-  """HF-style inits leave (1+w) norms at 0 and biases at 0: perturb every 1-D parameter so those paths matter."""
+  """HF-style inits leave (1+w) norms at 0 and biases at 0: perturb every 1-D parameter and every bias so those
+  paths matter."""
   rng = np.random.default_rng(seed)
-  for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     value = var.get_value()
-    if value.ndim == 1:
+    if value.ndim == 1 or str(path[-1]).endswith("bias"):
       var.set_value(value + jnp.asarray(rng.normal(size=value.shape) * 0.3, value.dtype))
 
 
@@ -97,6 +98,8 @@ def expected_param_shapes(cfg):
         if not shared:
           out[p + "attn.k.bias"] = (hkv, dh)
           out[p + "attn.v.bias"] = (hkv, dh)
+      if block == "gpt_oss":
+        out[p + "attn.sinks"] = (hq,)
       if block in QK_NORM:
         out[p + "attn.q_norm.scale"] = (dh,)
         if not shared:
@@ -111,6 +114,15 @@ def expected_param_shapes(cfg):
               p + "moe.down": (e, fe, d),
           }
       )
+      if block == "gpt_oss":
+        out.update(
+            {
+                p + "moe.router.bias": (e,),
+                p + "moe.gate_bias": (e, fe),
+                p + "moe.up_bias": (e, fe),
+                p + "moe.down_bias": (e, d),
+            }
+        )
       if fs > 0:
         out.update(
             {

@@ -16,9 +16,11 @@ def _load_benchmark():
   return module
 
 
-# One attention page in both tiny models: block 16 x (K and V) x 2 KV heads x head_dim 32 padded to 128 lanes x 4
-# bytes (fp32) = 32 KiB.
+# One attention page in the gemma3 and qwen3_next tiny models: block 16 x (K and V) x 2 KV heads x head_dim 32
+# padded to 128 lanes x 4 bytes (fp32) = 32 KiB.
 PAGE = 16 * 2 * 2 * 128 * 4
+# gpt-oss-tiny's head_dim 64 fills 64 lanes: half a page.
+GPT_OSS_PAGE = 16 * 2 * 2 * 64 * 4
 
 
 def test_quick_run_counts_blocks_per_group_and_writes_the_plot(capsys, tmp_path):
@@ -27,8 +29,8 @@ def test_quick_run_counts_blocks_per_group_and_writes_the_plot(capsys, tmp_path)
   argv = ["--quick", "--json", "--contexts", "48", "--throughput-max-context", "0", "--plot", str(png)]
   assert benchmark.main(argv) == 0
   report = json.loads(capsys.readouterr().out)
-  gemma, qwen = report["results"]
-  assert (gemma["config"], gemma["context"], qwen["config"]) == ("gemma3", 48, "qwen3_next")
+  gemma, qwen, gpt_oss = report["results"]
+  assert (gemma["config"], gemma["context"], qwen["config"], gpt_oss["config"]) == ("gemma3", 48, "qwen3_next", "gpt_oss")
   # gemma3: 6 attention layers x cdiv(48, 16) = 3 blocks when every block is kept; with the window (32 in --quick)
   # the sliding layers hold 2 (block 0 is out of reach once 47 tokens are computed), the full layer 3.
   assert gemma["flat_bytes_per_request"] == 6 * 3 * PAGE
@@ -41,6 +43,11 @@ def test_quick_run_counts_blocks_per_group_and_writes_the_plot(capsys, tmp_path)
   # qwen3_next has no sliding layer: both modes keep every block (2 attention layers) plus the same GDN state.
   assert qwen["measured_ratio"] == qwen["theoretical_ratio"] == 1.0
   assert qwen["hybrid_bytes_per_request"] - 2 * 3 * PAGE == qwen["flat_bytes_per_request"] - 2 * 3 * PAGE > 0
+  # gpt_oss: 2 sliding : 2 full layers; the sliding ones hold 2 blocks instead of 3.
+  assert gpt_oss["flat_bytes_per_request"] == 4 * 3 * GPT_OSS_PAGE
+  assert gpt_oss["hybrid_bytes_per_request"] == (2 * 3 + 2 * 2) * GPT_OSS_PAGE
+  assert gpt_oss["measured_ratio"] == pytest.approx(12 / 10)
+  assert gpt_oss["theoretical_ratio"] == pytest.approx(4 * 48 / (2 * 48 + 2 * 32))
   assert "hybrid_decode" not in gemma and "flat_decode" not in qwen
   if report["plot"].startswith("wrote"):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

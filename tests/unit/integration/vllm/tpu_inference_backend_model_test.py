@@ -28,10 +28,10 @@ pytestmark = pytest.mark.slow
 MAX_REQS = 4
 NUM_BLOCKS = 8
 BLOCK_SIZE = 4
-FAMILIES = ("llama-tiny", "qwen3-tiny", "gemma3-tiny", "kvshare-tiny", "qwen3-next-tiny", "qwen3.5-tiny")
+FAMILIES = ("llama-tiny", "qwen3-tiny", "gemma3-tiny", "kvshare-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "gpt-oss-tiny")
 # The fake answers with the reference ops, so hidden states must equal the reference backend's; checked where a
-# difference could hide (KV-sharing reads, GDN), the argument checks run for every family.
-COMPARED = ("kvshare-tiny", "qwen3.5-tiny")
+# difference could hide (KV-sharing reads, GDN, attention sinks), the argument checks run for every family.
+COMPARED = ("kvshare-tiny", "qwen3.5-tiny", "gpt-oss-tiny")
 # Attention logit scale of each family, from its config: query_pre_attn_scalar ** -0.5 (gemma3: 24), else
 # head_dim ** -0.5.
 SCALES = {
@@ -41,6 +41,7 @@ SCALES = {
     "kvshare-tiny": 24.0**-0.5,
     "qwen3-next-tiny": None,
     "qwen3.5-tiny": None,
+    "gpt-oss-tiny": None,
 }
 
 
@@ -124,7 +125,12 @@ def test_family_calls_tpu_inference_per_layer_and_matches_the_reference(name):
     assert args["k"].shape[1:] == (cfg.base_num_kv_heads, cfg.head_dim)
     assert args["attention_chunk_size"] == (cfg.sliding_window_size if kinds[layer] == "sliding_attention" else None)
     assert args["sm_scale"] == pytest.approx(scale)
-    assert args["attention_sink"] is None and args["use_causal_mask"] is True
+    assert args["use_causal_mask"] is True
+    if cfg.use_attention_sinks:  # fp32 [Hq] (traced; their values reach the hidden states compared above)
+      sink = args["attention_sink"]
+      assert sink.shape == (cfg.base_num_query_heads,) and sink.dtype == jnp.float32, f"layer.{layer}"
+    else:
+      assert args["attention_sink"] is None
   for call in gdn:
     args = call.args
     assert (args["n_kq"], args["n_v"], args["d_k"], args["d_v"], args["kernel_size"]) == (

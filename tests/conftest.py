@@ -1,13 +1,28 @@
-"""Shared pytest setup: fake CPU devices for sharding code, float32 matmuls at full precision; the example model
-and the tpu-inference wheel, each fetched once."""
+"""Shared pytest setup: fake CPU devices for sharding code, float32 matmuls at full precision, a compilation cache
+shared by every test process; the example model and the tpu-inference wheel, each fetched once."""
 
 import importlib.util
+import os
 import pathlib
 
-import jax
-import pytest
+# Most tests build the same tiny models and jit the same steps, each test in fresh closures that JAX's in-memory
+# cache cannot reuse. JAX's persistent compilation cache is keyed by the lowered program, the compile options and
+# the jax/jaxlib versions, so a hit is the executable a compile would have produced; sharing it (through the
+# environment, before JAX is imported) lets test workers and the CLI subprocesses the tests start load instead of
+# recompile. The size limit turns on JAX's file lock, which parallel workers need. Set
+# MAXTEXT_TEST_COMPILATION_CACHE to another folder, or to "off".
+_COMPILATION_CACHE = os.environ.get("MAXTEXT_TEST_COMPILATION_CACHE") or os.path.join(
+    os.path.expanduser("~"), ".cache", "maxtext", "jax-test-compilation-cache"
+)
+if _COMPILATION_CACHE != "off":
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILATION_CACHE)
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
-from maxtext.testing import tpu_inference_wheel
+import jax  # pylint: disable=wrong-import-position
+import pytest  # pylint: disable=wrong-import-position
+
+from maxtext.testing import tpu_inference_wheel  # pylint: disable=wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

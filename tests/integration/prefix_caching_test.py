@@ -33,6 +33,7 @@ CASES = [
     ("qwen3.5-tiny", "shuffled", True, 0),
     ("granite4-tiny", "layer", True, 2 * BLOCK),
     ("bamba-tiny", "hybrid", False, 0),
+    ("gpt-oss-tiny", "shuffled", True, 0),
 ]
 
 

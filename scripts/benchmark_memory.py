@@ -1,10 +1,11 @@
 """Benchmark: KV-cache bytes per request, and what a fixed cache budget holds, with hybrid_kv_cache on and off.
 
-Three hybrid configs (test-size widths; the cache arithmetic depends only on layer kinds, KV heads, head_dim, block
+Five hybrid configs (test-size widths; the cache arithmetic depends only on layer kinds, KV heads, head_dim, block
 size and window):
   gemma3      6 layers, 5 sliding (window 128) : 1 full attention, block 16
   qwen3_next  8 layers, 3 Gated DeltaNet : 1 full attention, block 16 (no sliding layers)
   gpt_oss     4 layers, 1 sliding (window 128, gpt-oss's) : 1 full attention, block 16, head_dim 64
+  granite_hybrid, bamba  4 layers, 3 Mamba2 : 1 full attention, block 16 (no sliding layers)
 For every context length it grows one request to that length through the KV-cache manager (chunked prefill of
 `--chunk` tokens, then one decode token, so sliding groups have freed what no query can reach) and counts the bytes
 it holds: blocks x page bytes per attention group, plus its recurrent state slot. It reports that with
@@ -47,6 +48,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "qwen3_next": {"model_name": "qwen3-next-tiny"},
     "gpt_oss": {"model_name": "gpt-oss-tiny", "sliding_window_size": 128},
+    "granite_hybrid": {"model_name": "granite4-tiny"},
+    "bamba": {"model_name": "bamba-tiny"},
 }
 QUICK_CONTEXTS = (64, 256)
 QUICK_WINDOW = 32

@@ -3,7 +3,7 @@
 Every request is one long common system prompt plus a short request-specific suffix. The first request runs alone
 (it computes the system prompt and, with `enable_prefix_caching=true`, leaves it cached), then the others run
 together. The reference runner runs the workload with prefix caching off and on, for each hybrid family (Gated
-DeltaNet layers with full attention), after an untimed warm-up run of the same shapes with other tokens (so
+DeltaNet or Mamba2 layers with full attention), after an untimed warm-up run of the same shapes with other tokens (so
 compilation is not timed). Columns:
   prefill   prompt tokens the model computed (scheduled tokens minus the decode tokens fed back)
   hit_rate  prefix-cache hits / tokens looked up at admission
@@ -28,7 +28,7 @@ import numpy as np
 
 from maxtext.inference import LLM, SamplingParams
 
-MODELS = ("qwen3-next-tiny", "qwen3.5-tiny")
+MODELS = ("qwen3-next-tiny", "qwen3.5-tiny", "granite4-tiny", "bamba-tiny")
 
 
 def workload(seed: int, system_tokens: int, suffix_tokens: int, requests: int) -> list[list[int]]:

@@ -29,8 +29,9 @@ def test_quick_run_counts_blocks_per_group_and_writes_the_plot(capsys, tmp_path)
   argv = ["--quick", "--json", "--contexts", "48", "--throughput-max-context", "0", "--plot", str(png)]
   assert benchmark.main(argv) == 0
   report = json.loads(capsys.readouterr().out)
-  gemma, qwen, gpt_oss = report["results"]
+  gemma, qwen, gpt_oss, granite, bamba = report["results"]
   assert (gemma["config"], gemma["context"], qwen["config"], gpt_oss["config"]) == ("gemma3", 48, "qwen3_next", "gpt_oss")
+  assert (granite["config"], bamba["config"]) == ("granite_hybrid", "bamba")
   # gemma3: 6 attention layers x cdiv(48, 16) = 3 blocks when every block is kept; with the window (32 in --quick)
   # the sliding layers hold 2 (block 0 is out of reach once 47 tokens are computed), the full layer 3.
   assert gemma["flat_bytes_per_request"] == 6 * 3 * PAGE
@@ -48,7 +49,12 @@ def test_quick_run_counts_blocks_per_group_and_writes_the_plot(capsys, tmp_path)
   assert gpt_oss["hybrid_bytes_per_request"] == (2 * 3 + 2 * 2) * GPT_OSS_PAGE
   assert gpt_oss["measured_ratio"] == pytest.approx(12 / 10)
   assert gpt_oss["theoretical_ratio"] == pytest.approx(4 * 48 / (2 * 48 + 2 * 32))
-  assert "hybrid_decode" not in gemma and "flat_decode" not in qwen
+  # The Mamba2 hybrids have one full attention layer and no sliding one: both modes hold its 3 blocks plus the same
+  # (conv, ssm) state pair, so the ratio is 1.
+  for mamba in (granite, bamba):
+    assert mamba["measured_ratio"] == mamba["theoretical_ratio"] == 1.0
+    assert mamba["hybrid_bytes_per_request"] == mamba["flat_bytes_per_request"] > 3 * PAGE
+    assert "hybrid_decode" not in gemma and "flat_decode" not in qwen
   if report["plot"].startswith("wrote"):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   else:

@@ -15,7 +15,8 @@ MESHES = {
     "kvshare-tiny": [{"ici_tensor_parallelism": 2}],
     "qwen3-next-tiny": [{"ici_tensor_parallelism": 2}, {"ici_tensor_parallelism": 2, "ici_expert_parallelism": 2}],
     "qwen3.5-tiny": [{"ici_tensor_parallelism": 2}, {"ici_tensor_parallelism": 4}],
-    "gpt-oss-tiny": [{"ici_tensor_parallelism": 2, "ici_expert_parallelism": 2}],
+    # gpt-oss-tiny's caches pack its KV heads into 2, which the runner shards over tensor x expert: one axis each.
+    "gpt-oss-tiny": [{"ici_tensor_parallelism": 2}, {"ici_expert_parallelism": 2}],
 }
 
 

@@ -200,10 +200,10 @@ def cache_sharding(spec: KVCacheSpec, shape: Sequence[int], mesh: Mesh, where: s
     head_axes = tuple(a for a in ("model", "expert") if mesh.shape[a] > 1)
     size = _mesh_size(mesh, head_axes)
     if size > 1 and shape[2] % size:
-      raise ConfigError(
-          f"ici_tensor_parallelism={mesh.shape['model']}: {where} has {shape[2]} packed KV heads, which must be"
-          f" divisible by {size}"
-      )
+      keys = f"ici_tensor_parallelism={mesh.shape['model']}"
+      if mesh.shape["expert"] > 1:
+        keys += f" x ici_expert_parallelism={mesh.shape['expert']} (the runner shards cache heads over both)"
+      raise ConfigError(f"{keys}: {where} has {shape[2]} packed KV heads, which must be divisible by {size}")
     heads = None if not head_axes else head_axes[0] if len(head_axes) == 1 else head_axes
     return NamedSharding(mesh, PartitionSpec(data, None, heads))
   model = mesh.shape["model"]

@@ -108,6 +108,15 @@ def test_cache_shardings_follow_the_runner():
   assert sharding.cache_sharding(recurrent, rec, data_mesh, "x").spec == P("data", "model", None, None)
   with pytest.raises(ConfigError, match=r"ici_tensor_parallelism=8: kv_caches\[1\] has 4 packed KV heads"):
     sharding.cache_sharding(attention, (8, 16, 4, 1, 128), mesh_of(8), "kv_caches[1]")
+  expert_mesh = sharding.make_mesh(
+      load_config(model_name="qwen3-next-tiny", ici_tensor_parallelism=2, ici_expert_parallelism=2)
+  )
+  with pytest.raises(
+      ConfigError,
+      match=r"ici_tensor_parallelism=2 x ici_expert_parallelism=2 \(the runner shards cache heads over both\): "
+      r"kv_caches\[0\] has 2 packed KV heads, which must be divisible by 4",
+  ):
+    sharding.cache_sharding(attention, (8, 16, 2, 1, 128), expert_mesh, "kv_caches[0]")
 
 
 def _norm_bytes(cfg):

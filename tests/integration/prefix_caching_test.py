@@ -23,7 +23,7 @@ MAX_TOKENS = 4
 HYBRIDS = ("qwen3-next-tiny", "qwen3.5-tiny", "granite4-tiny", "bamba-tiny")
 # (family, kv_cache_layout, hybrid_kv_cache, mamba_block_size): every layout, and both groupings of the sliding-window
 # and of the hybrid families, with both state block sizes (one engine each keeps CI time down; the grouping logic is
-# covered per family and grouping by tests/unit/inference/prefix_caching_test.py).
+# covered per family and grouping by tests/unit/inference/prefix_cache_test.py).
 CASES = [
     ("llama-tiny", "hybrid", True, 0),
     ("qwen3-tiny", "shuffled", True, 0),

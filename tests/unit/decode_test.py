@@ -87,7 +87,8 @@ def test_json_output_is_one_object_with_tokens_logprobs_and_stats(capsys, refere
     assert [t for t, _ in lp["top"]] == np.argsort(-row, kind="stable")[:2].tolist()
   stats = doc["stats"]
   assert stats["generated_tokens"] == len(expected) and stats["prompt_tokens"] == len(prompt)
-  assert stats["steps"] == len(expected) and stats["step_traces"] == 1
+  # Two compiled steps: the prompt's token bucket, then the one-token decode bucket (min_token_bucket=1).
+  assert stats["steps"] == len(expected) and stats["step_traces"] == 2
   assert "generating" in captured.err  # the progress bar goes to stderr, never into the JSON
 
 

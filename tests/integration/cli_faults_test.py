@@ -3,6 +3,7 @@ not a checkpoint. Each ends with a defined exit status and no traceback."""
 
 import os
 import pathlib
+import re
 import selectors
 import signal
 import subprocess
@@ -42,13 +43,13 @@ def test_a_reader_that_closes_stdout_early_gets_no_traceback():
   assert b"Traceback" not in err and b"BrokenPipeError" not in err, err
 
 
-def _wait_for(proc, needle, timeout):
-  """Reads stderr until `needle` appears; returns what was read."""
+def _wait_for(proc, pattern, timeout):
+  """Reads stderr until the regular expression `pattern` matches; returns what was read."""
   selector = selectors.DefaultSelector()
   selector.register(proc.stderr, selectors.EVENT_READ)
   seen = b""
   deadline = time.monotonic() + timeout
-  while needle not in seen:
+  while not re.search(pattern, seen):
     remaining = deadline - time.monotonic()
     assert remaining > 0 and proc.poll() is None, seen
     if selector.select(remaining):
@@ -59,7 +60,8 @@ def _wait_for(proc, needle, timeout):
 def test_ctrl_c_mid_decode_exits_130_without_a_traceback():
   proc = _start(LONG_RUN, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   try:
-    before = _wait_for(proc, b"tok/s", timeout=300)  # the progress bar has counted generated tokens
+    # The progress bar has counted generated tokens (its first render, "0/4000", comes before the first step).
+    before = _wait_for(proc, rb"[1-9][0-9]*/4000", timeout=300)
     proc.send_signal(signal.SIGINT)
     out, after = proc.communicate(timeout=120)
   finally:

@@ -58,7 +58,8 @@ class RecordingBackend(kb.ReferenceBackend):
 
   def gdn_attention(self, mixed_qkv, b, a, conv_state, recurrent_state, *args):  # pylint: disable=arguments-differ
     shapes = (mixed_qkv.shape, b.shape, a.shape, conv_state.shape, recurrent_state.shape, str(recurrent_state.dtype))
-    RecordingBackend.calls.append(("gdn", shapes, args[-5:]))
+    # After the conv weight and bias, A_log, dt_bias and the four metadata arrays: the five static sizes.
+    RecordingBackend.calls.append(("gdn", shapes, args[8:13]))
     return super().gdn_attention(mixed_qkv, b, a, conv_state, recurrent_state, *args)
 
   def moe_experts(self, x, weights, indices, *args, **kwargs):  # pylint: disable=arguments-differ

@@ -13,6 +13,7 @@ Upstream differences the comparisons account for (docs/runner-contract.md):
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,6 @@ from maxtext.kernels import ragged_conv1d as conv_lib
 from maxtext.kernels import ragged_gated_delta_rule as gdr_lib
 from maxtext.kernels import ragged_paged_attention as rpa_lib
 
-# Each reference loops over requests in eager JAX, compiling per shape: seconds per case on a 2-core CPU.
 pytestmark = pytest.mark.slow
 
 F32_ATOL = 2e-5
@@ -34,6 +34,38 @@ BF16_ATOL = 3e-2
 # fresh request and a longer fresh prefill.
 ATTENTION_REQUESTS = ((9, 1), (3, 1), (14, 1), (0, 6), (5, 4), (0, 1), (0, 9))
 DECODE_ONLY = ((4, 1), (11, 1), (1, 1))
+
+
+def _is_metadata(x) -> bool:
+  return isinstance(x, (np.ndarray, jax.Array)) and (
+      np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.bool_)
+  )
+
+
+def _jitted_over_concrete_metadata(fn, *args, **kwargs):
+  """Runs an upstream attention reference as one jitted program.
+
+  The attention references loop over requests in Python, slicing by the metadata's values, so run eagerly each op compiles
+  on its own for every request's shapes (over a minute per case on a 2-core CPU). Under `jax.jit` with the integer
+  and boolean arrays (the ragged metadata) closed over as concrete NumPy constants, the same Python runs once and
+  XLA compiles one program: the reference's own code, traced instead of dispatched op by op.
+  """
+  metadata = {i: np.asarray(a) for i, a in enumerate(args) if _is_metadata(a)}
+  traced = [a for i, a in enumerate(args) if i not in metadata]
+
+  def run(*traced_args):
+    it = iter(traced_args)
+    return fn(*(metadata[i] if i in metadata else next(it) for i in range(len(args))), **kwargs)
+
+  return jax.jit(run)(*traced)
+
+
+def _jitted(fn, *args, **kwargs):
+  """Runs a kernel jitted, as a model step runs it: arrays traced (metadata included), other options static. The
+  upstream GDN references are written for this (no Python control flow over the metadata)."""
+  arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+  static = {k: v for k, v in kwargs.items() if k not in arrays}
+  return jax.jit(functools.partial(fn, **static))(*args, **arrays)
 
 
 @dataclasses.dataclass
@@ -114,33 +146,35 @@ def _check_attention(ours, theirs, batch, atol=F32_ATOL, rtol=F32_RTOL):
 def test_ragged_paged_attention_matches_upstream_reference(tpu_inference_refs, seed, window, soft_cap):
   batch = _attention_batch(seed, ATTENTION_REQUESTS)
   scale = 32**-0.5
-  theirs = tpu_inference_refs.ragged_paged_attention(
-      *batch.args(), sm_scale=scale, sliding_window=window, soft_cap=soft_cap
+  theirs = _jitted_over_concrete_metadata(
+      tpu_inference_refs.ragged_paged_attention, *batch.args(), sm_scale=scale, sliding_window=window, soft_cap=soft_cap
   )
-  ours = rpa_lib.ragged_paged_attention(*batch.args(), sm_scale=scale, sliding_window=window, soft_cap=soft_cap)
+  ours = _jitted(rpa_lib.ragged_paged_attention, *batch.args(), sm_scale=scale, sliding_window=window, soft_cap=soft_cap)
   _check_attention(ours, theirs, batch)
 
 
 @pytest.mark.parametrize("hq, hkv, d", [(8, 1, 128), (6, 3, 200)])
 def test_ragged_paged_attention_matches_upstream_across_head_shapes(tpu_inference_refs, hq, hkv, d):
   batch = _attention_batch(3, ATTENTION_REQUESTS[2:], hq=hq, hkv=hkv, d=d, block_size=8, pages_per_seq=3)
-  theirs = tpu_inference_refs.ragged_paged_attention(*batch.args(), sm_scale=d**-0.5)
-  ours = rpa_lib.ragged_paged_attention(*batch.args(), sm_scale=d**-0.5)
+  theirs = _jitted_over_concrete_metadata(tpu_inference_refs.ragged_paged_attention, *batch.args(), sm_scale=d**-0.5)
+  ours = _jitted(rpa_lib.ragged_paged_attention, *batch.args(), sm_scale=d**-0.5)
   _check_attention(ours, theirs, batch)
 
 
 def test_ragged_paged_attention_decode_only_batch_matches_upstream(tpu_inference_refs):
   batch = _attention_batch(4, DECODE_ONLY, pad_tokens=3)
-  theirs = tpu_inference_refs.ragged_paged_attention(*batch.args(), sm_scale=0.2)
-  ours = rpa_lib.ragged_paged_attention(*batch.args(), sm_scale=0.2)
+  theirs = _jitted_over_concrete_metadata(tpu_inference_refs.ragged_paged_attention, *batch.args(), sm_scale=0.2)
+  ours = _jitted(rpa_lib.ragged_paged_attention, *batch.args(), sm_scale=0.2)
   _check_attention(ours, theirs, batch)
 
 
 def test_ragged_paged_attention_bf16_cache_matches_upstream(tpu_inference_refs):
   # bf16 packs two rows per 32-bit word (pk = 2); the reference computes its softmax in bf16, hence the tolerance.
   batch = _attention_batch(5, ATTENTION_REQUESTS, dtype=jnp.bfloat16)
-  theirs = tpu_inference_refs.ragged_paged_attention(*batch.args(), sm_scale=32**-0.5, sliding_window=6)
-  ours = rpa_lib.ragged_paged_attention(*batch.args(), sm_scale=32**-0.5, sliding_window=6)
+  theirs = _jitted_over_concrete_metadata(
+      tpu_inference_refs.ragged_paged_attention, *batch.args(), sm_scale=32**-0.5, sliding_window=6
+  )
+  ours = _jitted(rpa_lib.ragged_paged_attention, *batch.args(), sm_scale=32**-0.5, sliding_window=6)
   _check_attention(ours, theirs, batch, atol=BF16_ATOL, rtol=0)
 
 
@@ -148,7 +182,9 @@ def test_ragged_paged_attention_bf16_cache_matches_upstream(tpu_inference_refs):
 def test_kv_sharing_read_matches_the_source_layers_upstream_step(tpu_inference_refs, window):
   # A KV-sharing layer reads (update_kv_cache=False) the cache its source layer wrote this step.
   batch = _attention_batch(6, ATTENTION_REQUESTS)
-  ref_out, ref_cache = tpu_inference_refs.ragged_paged_attention(*batch.args(), sm_scale=0.3, sliding_window=window)
+  ref_out, ref_cache = _jitted_over_concrete_metadata(
+      tpu_inference_refs.ragged_paged_attention, *batch.args(), sm_scale=0.3, sliding_window=window
+  )
   rest = batch.args()[4:]
   out, cache = rpa_lib.ragged_paged_attention(
       batch.q, None, None, ref_cache, *rest, sm_scale=0.3, sliding_window=window, update_kv_cache=False, num_kv_heads=2
@@ -162,8 +198,10 @@ def test_kv_sharing_read_matches_the_source_layers_upstream_step(tpu_inference_r
 def test_head_dim_64_layout_matches_upstream_hd64_reference(tpu_inference_refs, window, sinks):
   batch = _attention_batch(7, ATTENTION_REQUESTS, hq=4, hkv=2, d=64)
   sink = jnp.asarray(np.random.default_rng(8).normal(size=(4,)), jnp.float32) if sinks else None
-  theirs = tpu_inference_refs.ragged_paged_attention_hd64(*batch.args(), sink, sm_scale=0.125, sliding_window=window)
-  ours = rpa_lib.ragged_paged_attention(*batch.args(), sm_scale=0.125, sliding_window=window, sinks=sink)
+  theirs = _jitted_over_concrete_metadata(
+      tpu_inference_refs.ragged_paged_attention_hd64, *batch.args(), sink, sm_scale=0.125, sliding_window=window
+  )
+  ours = _jitted(rpa_lib.ragged_paged_attention, *batch.args(), sm_scale=0.125, sliding_window=window, sinks=sink)
   _check_attention(ours, theirs, batch)
 
 
@@ -250,7 +288,8 @@ def _gdn_step(seed, requests, *, max_reqs=6, pad_tokens=3) -> GdnStep:
 def _upstream_gdn(refs, params, state: GdnState, step: GdnStep):
   """The wheel's two references chained as its GDN op chains its kernels; returns (silu(conv out), out, state)."""
   has_init = step.has_initial_state()
-  conv_out, conv = refs.ragged_conv1d(
+  conv_out, conv = _jitted(
+      refs.ragged_conv1d,
       step.x,
       jnp.array(state.conv, copy=True),  # the reference donates its conv_state
       params["weight"],
@@ -261,7 +300,8 @@ def _upstream_gdn(refs, params, state: GdnState, step: GdnStep):
       has_init,
       kernel_size=WIDTH,
   )
-  recurrent, out = refs.ragged_gated_delta_rule(
+  recurrent, out = _jitted(
+      refs.ragged_gated_delta_rule,
       conv_out,
       step.b,
       step.a,
@@ -282,13 +322,13 @@ def _upstream_gdn(refs, params, state: GdnState, step: GdnStep):
 
 def _our_gdn(params, state: GdnState, step: GdnStep):
   meta = (step.state_indices, step.query_start_loc, step.seq_lens, step.distribution)
-  y, conv = conv_lib.ragged_conv1d(step.x, state.conv, params["weight"], params["bias"], *meta)
+  y, conv = _jitted(conv_lib.ragged_conv1d, step.x, state.conv, params["weight"], params["bias"], *meta)
   t = y.shape[0]
   q = y[:, : NK * DK].reshape(t, NK, DK)
   k = y[:, NK * DK : 2 * NK * DK].reshape(t, NK, DK)
   v = y[:, 2 * NK * DK :].reshape(t, NV, DV)
-  out, recurrent = gdr_lib.ragged_gated_delta_rule(
-      q, k, v, step.b, step.a, params["A_log"], params["dt_bias"], state.recurrent, *meta
+  out, recurrent = _jitted(
+      gdr_lib.ragged_gated_delta_rule, q, k, v, step.b, step.a, params["A_log"], params["dt_bias"], state.recurrent, *meta
   )
   return y, out.reshape(t, NV * DV), GdnState(conv=conv, recurrent=recurrent)
 

@@ -51,6 +51,7 @@ def _llm(name, apc, layout="hybrid", hybrid=True, mamba_block_size=0):
       block_size=BLOCK,
       num_kv_blocks=40,
       max_num_batched_tokens=32,
+      min_token_bucket=32,  # one token bucket: one compiled step per engine
       max_num_seqs=4,
       max_target_length=64,
       seed=3,

@@ -7,7 +7,15 @@ from maxtext.configs import ConfigError
 from maxtext.inference import LLM, SamplingParams
 
 PROMPTS = [[5, 9, 33, 71, 12, 8, 90, 14, 3, 60, 61], [44, 3, 101]]
-RUN = {"max_num_seqs": 2, "num_kv_blocks": 48, "block_size": 8, "max_num_batched_tokens": 16, "max_target_length": 64}
+# One token bucket (min_token_bucket = the budget): one compiled step per mesh.
+RUN = {
+    "max_num_seqs": 2,
+    "num_kv_blocks": 48,
+    "block_size": 8,
+    "max_num_batched_tokens": 16,
+    "min_token_bucket": 16,
+    "max_target_length": 64,
+}
 MESHES = {
     "llama-tiny": [{"ici_tensor_parallelism": 2}, {"ici_tensor_parallelism": 4}],
     "qwen3-tiny": [{"ici_tensor_parallelism": 2}, {"ici_tensor_parallelism": 4}],

@@ -98,13 +98,20 @@ def test_prompt_logits_match_transformers_within_1e3(llm, hf_model):
 @pytest.mark.parametrize(
     "runner",
     [
-        {"kv_cache_layout": "layer", "max_num_batched_tokens": 16},
-        {"kv_cache_layout": "shuffled", "seed": 3, "max_num_batched_tokens": 16, "max_num_seqs": 2},
+        {"kv_cache_layout": "layer", "max_num_batched_tokens": 16, "min_token_bucket": 16},
+        {
+            "kv_cache_layout": "shuffled",
+            "seed": 3,
+            "max_num_batched_tokens": 16,
+            "min_token_bucket": 16,
+            "max_num_seqs": 2,
+        },
     ],
     ids=["layer-chunked", "shuffled-chunked-2-seqs"],
 )
 def test_layouts_chunked_prefill_and_batching_keep_every_token(example_gguf, hf_tokens, runner):
-  """The default layout (hybrid) ran above with whole prefills; these chunk every prefill into 16-token pieces."""
+  """The default layout (hybrid) ran above with whole prefills; these chunk every prefill into 16-token pieces, in
+  one 16-token bucket (one compiled step)."""
   _, expected = hf_tokens
   llm = LLM(gguf_model_path=example_gguf, **RUN, **runner)
   outputs = llm.generate(list(PROMPTS[:3]), SamplingParams(max_tokens=MAX_TOKENS))

@@ -50,8 +50,8 @@ def test_layer_validation():
   cfg = load_config(model_name="qwen3-next-tiny")
   with pytest.raises(ValueError, match=r"layer_index must be in \[0, 8\), got 8"):
     DecoderLayer(cfg, 8, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"layer_types\[1\]='mamba' has no registered mixer \(registered: full_atten"):
-    DecoderLayer(_with(cfg, layer_types=("full_attention", "mamba") + ("full_attention",) * 6), 1, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"layer_types\[1\]='rwkv' has no registered mixer \(registered: full_atten"):
+    DecoderLayer(_with(cfg, layer_types=("full_attention", "rwkv") + ("full_attention",) * 6), 1, rngs=nnx.Rngs(0))
   gdn = DecoderLayer(cfg, 0, rngs=nnx.Rngs(0))
   kv = (jnp.zeros((1, 2, 2, 32)), jnp.zeros((1, 2, 2, 32)))
   with pytest.raises(ValueError, match=r"a linear_attention \(Gated DeltaNet\) layer cannot take shared K/V"):

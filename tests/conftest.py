@@ -9,14 +9,16 @@ import pathlib
 # cache cannot reuse. JAX's persistent compilation cache is keyed by the lowered program, the compile options and
 # the jax/jaxlib versions, so a hit is the executable a compile would have produced; sharing it (through the
 # environment, before JAX is imported) lets test workers and the CLI subprocesses the tests start load instead of
-# recompile. The size limit turns on JAX's file lock, which parallel workers need. Set
-# MAXTEXT_TEST_COMPILATION_CACHE to another folder, or to "off".
+# recompile. The size limit turns on JAX's file lock, which parallel workers need; it also makes every write scan
+# the whole folder to evict, so only compiles of at least a second (JAX's default) are kept: model steps, not the
+# thousands of single ops that eager code compiles (keeping those too made the suite's later tests 6x slower).
+# Set MAXTEXT_TEST_COMPILATION_CACHE to another folder, or to "off".
 _COMPILATION_CACHE = os.environ.get("MAXTEXT_TEST_COMPILATION_CACHE") or os.path.join(
     os.path.expanduser("~"), ".cache", "maxtext", "jax-test-compilation-cache"
 )
 if _COMPILATION_CACHE != "off":
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILATION_CACHE)
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
   os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import jax  # pylint: disable=wrong-import-position

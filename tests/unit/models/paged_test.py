@@ -7,6 +7,7 @@ must match the dense forward's logits at that position.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -90,13 +91,6 @@ class PagedHarness:
     self.free = [list(self.rng.permutation(np.arange(1, NUM_BLOCKS))) for _ in self.groups]
     self.tables = {}  # (rid, group) -> list of block ids
     self.next_slot = 1
-    self.graphdef = None
-    self.step_fn = jax.jit(self._step)
-
-  def _step(self, state, caches, tokens, positions, mds):
-    model = nnx.merge(self.graphdef, state)
-    hidden, caches = model.forward_paged(model.embed(tokens), positions, caches, mds)
-    return model.compute_logits(hidden), caches
 
   def add(self, req):
     """Admits a request: it gets the next recurrent state slot."""
@@ -130,6 +124,8 @@ class PagedHarness:
       slots.append(req.slot)
       self._ensure_blocks(req, n)
     t = len(tokens)
+    # At least `pad_tokens` of padding, up to a power-of-two bucket as the runner pads (few shapes, few compiles).
+    pad_tokens = max(16, 1 << (t + pad_tokens - 1).bit_length()) - t
     tokens += [0] * pad_tokens
     positions += list(self.rng.integers(0, MAX_LEN, pad_tokens))  # stale, as the runner leaves them
     s = len(plan)
@@ -155,9 +151,9 @@ class PagedHarness:
           )
       )
     mds = [mds_by_group[g if g is not None else 0] for g in self.group_of_layer]
-    self.graphdef, state = nnx.split(self.model)
-    logits, self.caches = self.step_fn(
-        state, self.caches, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), mds
+    graphdef, state = nnx.split(self.model)
+    logits, self.caches = _paged_step(
+        graphdef, state, self.caches, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), mds
     )
     logits = np.asarray(logits)
     assert np.all(np.isfinite(logits[:t]))
@@ -168,7 +164,16 @@ class PagedHarness:
     return out
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _paged_step(graphdef, state, caches, tokens, positions, mds):
+  """One runner step; jitted once per model and shape bucket, shared by every harness."""
+  model = nnx.merge(graphdef, state)
+  hidden, caches = model.forward_paged(model.embed(tokens), positions, caches, mds)
+  return model.compute_logits(hidden), caches
+
+
 _MODELS = {}
+_DENSE = {}
 
 
 def _model(name):
@@ -184,7 +189,13 @@ def _model(name):
 
 
 def _dense_logits(model, tokens):
-  return np.asarray(model(jnp.asarray(tokens, jnp.int32)[None]))[0]
+  """The full-sequence forward's logits at every token, through one jitted forward per model padded to MAX_LEN
+  (the forward is causal: the padding after the last token cannot change its logits)."""
+  if id(model) not in _DENSE:
+    _DENSE[id(model)] = jax.jit(lambda ids: model(ids[None])[0])
+  padded = np.zeros(MAX_LEN, np.int32)
+  padded[: len(tokens)] = tokens
+  return np.asarray(_DENSE[id(model)](jnp.asarray(padded)))[: len(tokens)]
 
 
 def _requests(cfg, lengths, seed=1):

@@ -63,6 +63,19 @@ _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
     "max_position_embeddings": 2048,
 }
+# The Mamba2 fields' defaults, shared by the Granite 4.0 and Bamba configs.
+_MAMBA2_DEFAULTS: dict[str, Any] = {
+    "mamba_n_heads": 128,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 256,
+    "mamba_d_head": "auto",
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 256,
+    "mamba_conv_bias": True,
+    "mamba_proj_bias": False,
+    "time_step_limit": None,
+}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
         "vocab_size": 32000,
@@ -183,16 +196,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "shared_intermediate_size": 1024,
         "position_embedding_type": None,
-        "mamba_n_heads": 128,
-        "mamba_n_groups": 1,
-        "mamba_d_state": 256,
-        "mamba_d_head": "auto",
-        "mamba_d_conv": 4,
-        "mamba_expand": 2,
-        "mamba_chunk_size": 256,
-        "mamba_conv_bias": True,
-        "mamba_proj_bias": False,
-        "time_step_limit": None,
+        **_MAMBA2_DEFAULTS,
     },
     "bamba": {
         "vocab_size": 128000,
@@ -206,16 +210,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0,
         "partial_rotary_factor": 0.5,
         "attn_layer_indices": None,
-        "mamba_n_heads": 128,
-        "mamba_n_groups": 1,
-        "mamba_d_state": 256,
-        "mamba_d_head": "auto",
-        "mamba_d_conv": 4,
-        "mamba_expand": 2,
-        "mamba_chunk_size": 256,
-        "mamba_conv_bias": True,
-        "mamba_proj_bias": False,
-        "time_step_limit": None,
+        **_MAMBA2_DEFAULTS,
     },
     "gpt_oss": {
         "vocab_size": 201088,

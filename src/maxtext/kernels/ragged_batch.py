@@ -6,6 +6,7 @@ A ragged batch packs the tokens of up to S requests back to back: request i owns
 `distribution[2]`. Everything here is static-shape and jit-compatible.
 """
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -124,6 +125,57 @@ def has_initial_state(layout: TokenLayout, seq_lens: jax.Array, read_state_indic
   if read_state_indices is not None:
     has_state = has_state & (read_state_indices.astype(jnp.int32) != NULL_STATE_SLOT)
   return has_state
+
+
+def ragged_state_scan(
+    update: Callable[[jax.Array, tuple], tuple[jax.Array, jax.Array]],
+    per_token: tuple,
+    states: jax.Array,
+    state_indices: jax.Array,
+    query_start_loc: jax.Array,
+    seq_lens: jax.Array,
+    distribution: jax.Array,
+    read_state_indices: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Runs a per-token recurrence over a ragged batch, each request continuing from its state slot.
+
+  A request's first token starts from its read slot's state (`read_state_indices`, else `state_indices`) when it
+  has an initial state (`has_initial_state`), else from zeros; every token applies `update(state, xs_t)`, which
+  returns `(new state, output row)`; the state after a request's last token is written to its `state_indices`
+  slot. Padding tokens (beyond `query_start_loc[distribution[2]]`) output zeros and write nothing.
+
+  Args:
+    update: `(state [*S], per-token inputs of one token) -> (state, out)`, traced once inside `lax.scan`.
+    per_token: arrays with a leading token axis `[T, ...]`.
+    states: `[M, *S]` fp32 state slots.
+    state_indices, query_start_loc, seq_lens, distribution, read_state_indices: the ragged metadata.
+
+  Returns:
+    `([T, ...] outputs, [M, *S] updated states)`.
+  """
+  num_tokens = per_token[0].shape[0]
+  num_slots = states.shape[0]
+  state_indices = state_indices.astype(jnp.int32)
+  layout = token_layout(num_tokens, query_start_loc, distribution)
+  read = state_indices if read_state_indices is None else read_state_indices.astype(jnp.int32)
+  has_init = has_initial_state(layout, seq_lens, read_state_indices)
+  init_states = jnp.where(has_init.reshape((-1,) + (1,) * (states.ndim - 1)), states[read], 0.0)  # [S, *S]
+  request_ids = layout.request_ids
+  is_first = layout.token_offsets == 0
+  is_last = layout.token_offsets == layout.query_lens[request_ids] - 1
+  write_slot = jnp.where(layout.token_valid & is_last, state_indices[request_ids], num_slots)  # out of range: none
+
+  def step(carry, xs):
+    state, slots = carry
+    token_xs, request, first, slot, valid = xs
+    state = jnp.where(first, init_states[request], state)
+    state, out = update(state, token_xs)
+    slots = slots.at[slot].set(state, mode="drop")
+    return (state, slots), jnp.where(valid, out, 0.0)
+
+  carry = (jnp.zeros(states.shape[1:], jnp.float32), states)
+  (_, new_states), out = jax.lax.scan(step, carry, (per_token, request_ids, is_first, write_slot, layout.token_valid))
+  return out, new_states
 
 
 def align_state_indices(

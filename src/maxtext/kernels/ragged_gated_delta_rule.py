@@ -110,17 +110,8 @@ def ragged_gated_delta_rule(
       distribution,
       read_state_indices,
   )
-  num_tokens, num_k_heads, key_dim = q.shape
-  num_v_heads = v.shape[1]
-  num_slots = recurrent_state.shape[0]
-  repeat = num_v_heads // num_k_heads
-  state_indices = state_indices.astype(jnp.int32)
-
-  layout = ragged_batch.token_layout(num_tokens, query_start_loc, distribution)
-  read = state_indices if read_state_indices is None else read_state_indices.astype(jnp.int32)
-  has_init = ragged_batch.has_initial_state(layout, seq_lens, read_state_indices)
-  init_states = jnp.where(has_init[:, None, None, None], recurrent_state[read], 0.0)  # [S, nv, dk, dv]
-
+  num_k_heads, key_dim = q.shape[1:]
+  repeat = v.shape[1] // num_k_heads
   qf = _l2_normalize(jnp.repeat(q.astype(jnp.float32), repeat, axis=1)) * key_dim**-0.5  # [T, nv, dk]
   kf = _l2_normalize(jnp.repeat(k.astype(jnp.float32), repeat, axis=1))
   vf = v.astype(jnp.float32)
@@ -128,24 +119,23 @@ def ragged_gated_delta_rule(
   decay = jnp.exp(
       -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
   )
-  request_ids = layout.request_ids
-  is_first = layout.token_offsets == 0
-  is_last = layout.token_offsets == layout.query_lens[request_ids] - 1
-  write_slot = jnp.where(layout.token_valid & is_last, state_indices[request_ids], num_slots)  # out of range: none
 
-  def step(carry, xs):
-    state, slots = carry
-    q_t, k_t, v_t, beta_t, e_t, request, first, slot, valid = xs
-    state = jnp.where(first, init_states[request], state)
+  def update(state, xs):  # state [nv, dk, dv]
+    q_t, k_t, v_t, beta_t, e_t = xs
     k_state = jnp.einsum("hk,hkv->hv", k_t, state)
     q_state = jnp.einsum("hk,hkv->hv", q_t, state)
     v_new = beta_t[:, None] * (v_t - e_t[:, None] * k_state)
     out = e_t[:, None] * q_state + jnp.sum(q_t * k_t, axis=-1)[:, None] * v_new
-    state = e_t[:, None, None] * state + k_t[:, :, None] * v_new[:, None, :]
-    slots = slots.at[slot].set(state, mode="drop")
-    return (state, slots), jnp.where(valid, out, 0.0)
+    return e_t[:, None, None] * state + k_t[:, :, None] * v_new[:, None, :], out
 
-  carry = (jnp.zeros(recurrent_state.shape[1:], jnp.float32), recurrent_state)
-  xs = (qf, kf, vf, beta, decay, request_ids, is_first, write_slot, layout.token_valid)
-  (_, new_state), out = jax.lax.scan(step, carry, xs)
+  out, new_state = ragged_batch.ragged_state_scan(
+      update,
+      (qf, kf, vf, beta, decay),
+      recurrent_state,
+      state_indices,
+      query_start_loc,
+      seq_lens,
+      distribution,
+      read_state_indices,
+  )
   return out.astype(v.dtype), new_state

@@ -115,37 +115,28 @@ def ragged_mamba2(
       time_step_limit,
       read_state_indices,
   )
-  num_tokens, num_heads, _ = x.shape
+  num_heads = x.shape[1]
   repeat = num_heads // b.shape[1]
-  num_slots = ssm_state.shape[0]
-  state_indices = state_indices.astype(jnp.int32)
-
-  layout = ragged_batch.token_layout(num_tokens, query_start_loc, distribution)
-  read = state_indices if read_state_indices is None else read_state_indices.astype(jnp.int32)
-  has_init = ragged_batch.has_initial_state(layout, seq_lens, read_state_indices)
-  init_states = jnp.where(has_init[:, None, None, None], ssm_state[read], 0.0)  # [S, nh, hd, N]
-
   xf = x.astype(jnp.float32)
   delta = _time_step(dt, dt_bias, time_step_limit)  # [T, nh]
   decay = jnp.exp(delta * -jnp.exp(A_log.astype(jnp.float32)))  # [T, nh]
   bf = jnp.repeat(b.astype(jnp.float32), repeat, axis=1)  # [T, nh, N]
   cf = jnp.repeat(c.astype(jnp.float32), repeat, axis=1)
-  request_ids = layout.request_ids
-  is_first = layout.token_offsets == 0
-  is_last = layout.token_offsets == layout.query_lens[request_ids] - 1
-  write_slot = jnp.where(layout.token_valid & is_last, state_indices[request_ids], num_slots)  # out of range: none
+  skip = D.astype(jnp.float32)[:, None]  # [nh, 1]
 
-  def step(carry, xs):
-    state, slots = carry
-    x_t, delta_t, decay_t, b_t, c_t, request, first, slot, valid = xs
-    state = jnp.where(first, init_states[request], state)
+  def update(state, xs):  # state [nh, hd, N]
+    x_t, delta_t, decay_t, b_t, c_t = xs
     state = decay_t[:, None, None] * state + (delta_t[:, None] * x_t)[:, :, None] * b_t[:, None, :]
-    y = jnp.einsum("hpn,hn->hp", state, c_t)
-    slots = slots.at[slot].set(state, mode="drop")
-    return (state, slots), jnp.where(valid, y, 0.0)
+    return state, jnp.einsum("hpn,hn->hp", state, c_t) + skip * x_t
 
-  carry = (jnp.zeros(ssm_state.shape[1:], jnp.float32), ssm_state)
-  xs = (xf, delta, decay, bf, cf, request_ids, is_first, write_slot, layout.token_valid)
-  (_, new_state), y = jax.lax.scan(step, carry, xs)
-  y = y + D.astype(jnp.float32)[:, None] * jnp.where(layout.token_valid[:, None, None], xf, 0.0)
+  y, new_state = ragged_batch.ragged_state_scan(
+      update,
+      (xf, delta, decay, bf, cf),
+      ssm_state,
+      state_indices,
+      query_start_loc,
+      seq_lens,
+      distribution,
+      read_state_indices,
+  )
   return y.astype(x.dtype), new_state

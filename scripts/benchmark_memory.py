@@ -26,7 +26,6 @@ Usage: python scripts/benchmark_memory.py [--contexts 256 512 ... 8192] [--budge
 """
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ from maxtext.checkpoint import load_run_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.inference.engine import make_kv_cache_manager
 from maxtext.inference.kv_cache_manager import ATTENTION, KVCacheManager
+from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
 
 CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
 # name -> config overrides (model_name first)
@@ -226,25 +226,17 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> str:
   return f"wrote {path}"
 
 
-def _positive_int(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-  return value
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--configs", choices=tuple(CONFIGS), nargs="+", default=list(CONFIGS), help="configs to run")
-  parser.add_argument("--contexts", type=_positive_int, nargs="+", default=None, help="request lengths (tokens)")
-  parser.add_argument("--budget-blocks", type=_positive_int, default=None, help="blocks per attention array (2048)")
-  parser.add_argument("--chunk", type=_positive_int, default=256, help="prefill chunk (max_num_batched_tokens)")
+  parser.add_argument("--contexts", type=positive_int, nargs="+", default=None, help="request lengths (tokens)")
+  parser.add_argument("--budget-blocks", type=positive_int, default=None, help="blocks per attention array (2048)")
+  parser.add_argument("--chunk", type=positive_int, default=256, help="prefill chunk (max_num_batched_tokens)")
   parser.add_argument("--throughput-max-context", type=int, default=None, help="longest context run (1024)")
-  parser.add_argument("--max-seqs", type=_positive_int, default=8, help="most requests decoded together")
-  parser.add_argument("--new-tokens", type=_positive_int, default=8, help="tokens decoded per request")
+  parser.add_argument("--max-seqs", type=positive_int, default=8, help="most requests decoded together")
+  parser.add_argument("--new-tokens", type=positive_int, default=8, help="tokens decoded per request")
   parser.add_argument("--plot", default="", help="write a PNG of bytes per request vs context (needs matplotlib)")
-  parser.add_argument("--quick", action="store_true", help=f"contexts {QUICK_CONTEXTS}, window {QUICK_WINDOW}")
-  parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+  add_output_flags(parser, f"contexts {QUICK_CONTEXTS}, window {QUICK_WINDOW}")
   args = parser.parse_args(argv)
   if args.contexts is None:
     args.contexts = list(QUICK_CONTEXTS if args.quick else CONTEXTS)
@@ -260,16 +252,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   rows = [measure(name, context, args) for name in args.configs for context in args.contexts]
   message = plot(rows, args.plot) if args.plot else ""
   settings = {k: getattr(args, k) for k in ("budget_blocks", "chunk", "max_seqs", "new_tokens", "quick")}
-  if args.json:
-    print(json.dumps({"settings": settings, "results": rows, "plot": message}))
-  else:
-    print(
-        f"block_size 16, budget {args.budget_blocks} blocks per attention array, prefill chunk {args.chunk}; "
-        "h/f = hybrid_kv_cache true/false"
-    )
-    print(format_table(rows))
-    if message:
-      print(message)
+  header = (
+      f"block_size 16, budget {args.budget_blocks} blocks per attention array, prefill chunk {args.chunk}; "
+      "h/f = hybrid_kv_cache true/false"
+  )
+  lines = [header, format_table(rows)] + ([message] if message else [])
+  emit(args.json, {"settings": settings, "results": rows, "plot": message}, lines)
   return 0
 
 

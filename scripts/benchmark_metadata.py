@@ -16,7 +16,6 @@ Usage: python scripts/benchmark_metadata.py [--layers 24] [--requests 4] [--repe
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ from maxtext.inference.batch import build_batch
 from maxtext.inference.engine import LLMEngine, make_attention_metadata, metadata_positions
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
 from maxtext.testing import hlo
+from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
 
 MODES = ("grouped", "per_layer")
 CONST, META, OTHER = 0, 1, 2  # ordered: a result takes the largest kind of its inputs
@@ -178,20 +178,12 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
-def _positive_int(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-  return value
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--layers", type=_positive_int, default=None, help="decoder layers (24; a multiple of 6)")
-  parser.add_argument("--requests", type=_positive_int, default=4, help="requests in the decode step")
-  parser.add_argument("--repeats", type=_positive_int, default=None, help="timed steps per form (20)")
-  parser.add_argument("--quick", action="store_true", help="6 layers, window 16, 2 timed steps")
-  parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+  parser.add_argument("--layers", type=positive_int, default=None, help="decoder layers (24; a multiple of 6)")
+  parser.add_argument("--requests", type=positive_int, default=4, help="requests in the decode step")
+  parser.add_argument("--repeats", type=positive_int, default=None, help="timed steps per form (20)")
+  add_output_flags(parser, "6 layers, window 16, 2 timed steps")
   args = parser.parse_args(argv)
   layers = args.layers or (6 if args.quick else 24)
   repeats = args.repeats or (2 if args.quick else 20)
@@ -200,14 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   engine, batch, _ = decode_step_inputs(layers, args.requests, args.quick)
   rows = [measure(engine, batch, mode, repeats) for mode in MODES]
   settings = {"layers": layers, "requests": args.requests, "repeats": repeats, "backend": jax.default_backend()}
-  if args.json:
-    print(json.dumps({"settings": settings, "results": rows}))
-  else:
-    print(
-        f"{layers} layers (5 sliding : 1 full), one decode step of {args.requests} requests, {repeats} timed steps, "
-        f"caches donated, backend {jax.default_backend()}"
-    )
-    print(format_table(rows))
+  header = (
+      f"{layers} layers (5 sliding : 1 full), one decode step of {args.requests} requests, {repeats} timed steps, "
+      f"caches donated, backend {jax.default_backend()}"
+  )
+  emit(args.json, {"settings": settings, "results": rows}, [header, format_table(rows)])
   return 0
 
 

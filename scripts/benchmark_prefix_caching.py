@@ -17,7 +17,6 @@ Usage: python scripts/benchmark_prefix_caching.py [--system-tokens 384] [--reque
 """
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ import jax
 import numpy as np
 
 from maxtext.inference import LLM, SamplingParams
+from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
 
 MODELS = ("qwen3-next-tiny", "qwen3.5-tiny", "granite4-tiny", "bamba-tiny")
 
@@ -97,26 +97,18 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
-def _positive_int(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-  return value
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="hybrid families to run")
-  parser.add_argument("--system-tokens", type=_positive_int, default=None, help="shared system prompt (384)")
-  parser.add_argument("--suffix-tokens", type=_positive_int, default=None, help="tokens per request after it (16)")
-  parser.add_argument("--requests", type=_positive_int, default=None, help="requests sharing the prompt (8)")
-  parser.add_argument("--max-tokens", type=_positive_int, default=None, help="tokens generated per request (8)")
-  parser.add_argument("--block-size", type=_positive_int, default=16, help="attention block size")
+  parser.add_argument("--system-tokens", type=positive_int, default=None, help="shared system prompt (384)")
+  parser.add_argument("--suffix-tokens", type=positive_int, default=None, help="tokens per request after it (16)")
+  parser.add_argument("--requests", type=positive_int, default=None, help="requests sharing the prompt (8)")
+  parser.add_argument("--max-tokens", type=positive_int, default=None, help="tokens generated per request (8)")
+  parser.add_argument("--block-size", type=positive_int, default=16, help="attention block size")
   parser.add_argument("--mamba-block-size", type=int, default=0, help="tokens per state block (0 = block size)")
-  parser.add_argument("--num-kv-blocks", type=_positive_int, default=512, help="blocks per KV-cache group")
-  parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=512, help="token budget per step")
-  parser.add_argument("--quick", action="store_true", help="a 32-token system prompt, 3 requests, 2 new tokens")
-  parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+  parser.add_argument("--num-kv-blocks", type=positive_int, default=512, help="blocks per KV-cache group")
+  parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="token budget per step")
+  add_output_flags(parser, "a 32-token system prompt, 3 requests, 2 new tokens")
   args = parser.parse_args(argv)
   args.system_tokens = args.system_tokens or (32 if args.quick else 384)
   args.suffix_tokens = args.suffix_tokens or (4 if args.quick else 16)
@@ -137,15 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   }
   settings["max_num_batched_tokens"] = args.max_num_batched_tokens
   settings["backend"] = jax.default_backend()
-  if args.json:
-    print(json.dumps({"settings": settings, "results": rows}))
-  else:
-    print(
-        f"{args.requests} requests sharing a {args.system_tokens}-token system prompt (+{args.suffix_tokens} tokens"
-        f" each, {args.max_tokens} new), first alone then the rest; block_size {args.block_size}, mamba_block_size"
-        f" {args.mamba_block_size or args.block_size}, backend {jax.default_backend()}"
-    )
-    print(format_table(rows))
+  header = (
+      f"{args.requests} requests sharing a {args.system_tokens}-token system prompt (+{args.suffix_tokens} tokens"
+      f" each, {args.max_tokens} new), first alone then the rest; block_size {args.block_size}, mamba_block_size"
+      f" {args.mamba_block_size or args.block_size}, backend {jax.default_backend()}"
+  )
+  emit(args.json, {"settings": settings, "results": rows}, [header, format_table(rows)])
   return 0
 
 

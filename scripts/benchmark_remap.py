@@ -15,7 +15,6 @@ Usage: python scripts/benchmark_remap.py [--layers 8 48] [--layouts direct ident
 """
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 
 from maxtext.integration.vllm import hybrid_cache_utils as hcu
 from maxtext.testing import hlo
+from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
 
 LAYOUTS = ("direct", "identity", "hybrid", "shuffled")
 FULL_ATTENTION_INTERVAL = 4  # layer i is full attention iff (i + 1) % 4 == 0, else a GDN layer
@@ -120,13 +120,6 @@ def measure(num_layers: int, layout: str, repeats: int, seed: int) -> dict[str, 
   }
 
 
-def _positive_int(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-  return value
-
-
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
   """Human-readable table of `measure` results."""
   header = (
@@ -143,22 +136,22 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--layers", type=_positive_int, nargs="+", default=None, help="decoder layer counts (8 48)")
+  parser.add_argument("--layers", type=positive_int, nargs="+", default=None, help="decoder layer counts (8 48)")
   parser.add_argument("--layouts", choices=LAYOUTS, nargs="+", default=list(LAYOUTS), help="physical layouts")
-  parser.add_argument("--repeats", type=_positive_int, default=None, help="timed steps per case after a warm-up (20)")
+  parser.add_argument("--repeats", type=positive_int, default=None, help="timed steps per case after a warm-up (20)")
   parser.add_argument("--seed", type=int, default=0, help="seed of the shuffled layout")
-  parser.add_argument("--quick", action="store_true", help="8 layers, 2 timed steps (a smoke run)")
-  parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+  add_output_flags(parser, "8 layers, 2 timed steps (a smoke run)")
   args = parser.parse_args(argv)
   args.layers = args.layers or ([8] if args.quick else [8, 48])
   args.repeats = args.repeats or (2 if args.quick else 20)
 
   rows = [measure(n, layout, args.repeats, args.seed) for n in args.layers for layout in args.layouts]
-  if args.json:
-    print(json.dumps({"backend": jax.default_backend(), "repeats": args.repeats, "results": rows}))
-  else:
-    print(f"backend: {jax.default_backend()}, {args.repeats} timed steps per case, caches donated")
-    print(format_table(rows))
+  header = f"backend: {jax.default_backend()}, {args.repeats} timed steps per case, caches donated"
+  emit(
+      args.json,
+      {"backend": jax.default_backend(), "repeats": args.repeats, "results": rows},
+      [header, format_table(rows)],
+  )
   return 0
 
 

@@ -19,11 +19,14 @@ Ctrl-C exits with status 130.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ml_collections
@@ -102,8 +105,9 @@ def outputs_to_json(outputs: Sequence[RequestOutput], stats: dict[str, Any]) -> 
   return json.dumps({"requests": requests, "stats": stats})
 
 
-def run(argv: Sequence[str]) -> int:
-  """Runs the CLI on `argv` (without the program name); returns the exit status."""
+def run(argv: Sequence[str], cancel: threading.Event | None = None) -> int:
+  """Runs the CLI on `argv` (without the program name); returns the exit status. Setting `cancel` stops the
+  generation before its next step (KeyboardInterrupt, its requests aborted)."""
   args = list(argv)
   config_path = args.pop(0) if args and "=" not in args[0] else None
   cfg = load_run_config(([config_path] if config_path else []) + args)
@@ -115,12 +119,12 @@ def run(argv: Sequence[str]) -> int:
   params = sampling_params_from_config(cfg)
   report_length_cap(cfg, llm, prompts, params)
   if cfg.output_format == "json":
-    outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True)
+    outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True, cancel=cancel)
     print(outputs_to_json(outputs, llm.engine.stats.as_dict()))
   elif len(prompts) == 1 and not cfg.prompts_file:
-    outputs = generate_streaming(llm, prompts[0].prompt, params)
+    outputs = generate_streaming(llm, prompts[0].prompt, params, cancel)
   else:
-    outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True)
+    outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True, cancel=cancel)
     print_completions(prompts, outputs)
   return 0
 
@@ -144,10 +148,12 @@ def cli_prompts(cfg: ml_collections.FrozenConfigDict) -> list[FilePrompt]:
   return [FilePrompt(0, cfg.prompt)]
 
 
-def generate_streaming(llm: LLM, prompt: Any, params: SamplingParams) -> list[RequestOutput]:
+def generate_streaming(
+    llm: LLM, prompt: Any, params: SamplingParams, cancel: threading.Event | None = None
+) -> list[RequestOutput]:
   """Generates one completion, writing its text to stdout token by token (no progress bar)."""
   streamer = TextStreamer(llm.tokenizer.decode, sys.stdout)
-  outputs = llm.generate([prompt], params, on_token=streamer.on_token)
+  outputs = llm.generate([prompt], params, on_token=streamer.on_token, cancel=cancel)
   streamer.finish()
   return outputs
 
@@ -202,24 +208,46 @@ def _silence_stdout() -> None:
   os.close(devnull)
 
 
+@contextlib.contextmanager
+def _cancel_on_sigint() -> Iterator[threading.Event]:
+  """Within the block, Ctrl-C sets the yielded event as well as raising KeyboardInterrupt. Native code (XLA) that
+  is running when the signal lands can swallow the KeyboardInterrupt; the event still stops generation before its
+  next step. The previous handler is restored afterwards."""
+  cancel = threading.Event()
+  if threading.current_thread() is not threading.main_thread():
+    yield cancel  # signal handlers can only be set from the main thread
+    return
+
+  def on_sigint(signum, frame):
+    cancel.set()
+    signal.default_int_handler(signum, frame)
+
+  previous = signal.signal(signal.SIGINT, on_sigint)
+  try:
+    yield cancel
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Console entry point: user errors become one line on stderr and exit status 2; Ctrl-C exits 130."""
   args = sys.argv[1:] if argv is None else list(argv)
   logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-  try:
-    status = _print_usage() if args and args[0] in ("-h", "--help") else run(args)
-    sys.stdout.flush()  # a closed pipe raises here, inside the handler, rather than at interpreter exit
-    return status
-  except USER_ERRORS as e:
-    if isinstance(e, BrokenPipeError):
-      _silence_stdout()
-      return EXIT_BROKEN_PIPE
-    message = " ".join(str(e).split()) or type(e).__name__
-    print(f"maxtext-decode: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
-  except KeyboardInterrupt:
-    print("maxtext-decode: interrupted", file=sys.stderr)
-    return EXIT_INTERRUPTED
+  with _cancel_on_sigint() as cancel:
+    try:
+      status = _print_usage() if args and args[0] in ("-h", "--help") else run(args, cancel)
+      sys.stdout.flush()  # a closed pipe raises here, inside the handler, rather than at interpreter exit
+      return status
+    except USER_ERRORS as e:
+      if isinstance(e, BrokenPipeError):
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+      message = " ".join(str(e).split()) or type(e).__name__
+      print(f"maxtext-decode: error: {message}", file=sys.stderr)
+      return EXIT_USAGE
+    except KeyboardInterrupt:
+      print("maxtext-decode: interrupted", file=sys.stderr)
+      return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

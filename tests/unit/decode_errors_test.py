@@ -5,7 +5,9 @@ the API (same rule, the CLI's key name), the model-source conflicts and the exit
 """
 
 import json
+import os
 import pathlib
+import signal
 
 import pytest
 
@@ -80,8 +82,9 @@ def test_help_describes_the_json_shape_with_finish_reason(capsys):
 
 
 def test_keyboard_interrupt_exits_130_with_one_line(capsys, monkeypatch):
-  def interrupted(argv):
+  def interrupted(argv, cancel):
     del argv
+    assert not cancel.is_set()
     raise KeyboardInterrupt
 
   monkeypatch.setattr(decode, "run", interrupted)
@@ -90,10 +93,29 @@ def test_keyboard_interrupt_exits_130_with_one_line(capsys, monkeypatch):
   assert captured.err == "maxtext-decode: interrupted\n" and captured.out == ""
 
 
+def test_ctrl_c_sets_the_cancel_event_even_if_the_interrupt_is_lost(capsys, monkeypatch):
+  # Native code running when the signal lands can swallow the KeyboardInterrupt; the event the handler also sets
+  # is what LLM.generate checks before each step.
+  def swallowed(argv, cancel):
+    del argv
+    try:
+      os.kill(os.getpid(), signal.SIGINT)
+    except KeyboardInterrupt:
+      pass  # lost, as inside an XLA call
+    assert cancel.is_set()
+    raise KeyboardInterrupt("generate cancelled")  # what generate raises at its next step
+
+  before = signal.getsignal(signal.SIGINT)
+  monkeypatch.setattr(decode, "run", swallowed)
+  assert decode.main([BASE]) == 130
+  assert capsys.readouterr().err == "maxtext-decode: interrupted\n"
+  assert signal.getsignal(signal.SIGINT) is before  # the handler is restored
+
+
 @pytest.mark.parametrize("error", [PermissionError("permission denied: 'x.yml'"), IsADirectoryError("x is a dir")])
 def test_os_errors_are_user_errors(capsys, monkeypatch, error):
-  def failing(argv):
-    del argv
+  def failing(argv, cancel):
+    del argv, cancel
     raise error
 
   monkeypatch.setattr(decode, "run", failing)
@@ -102,8 +124,8 @@ def test_os_errors_are_user_errors(capsys, monkeypatch, error):
 
 
 def test_broken_pipe_exits_1_without_an_error_line(capsys, monkeypatch):
-  def reader_gone(argv):
-    del argv
+  def reader_gone(argv, cancel):
+    del argv, cancel
     raise BrokenPipeError(32, "Broken pipe")
 
   monkeypatch.setattr(decode, "run", reader_gone)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -97,6 +98,7 @@ class LLM:
       *,
       use_tqdm: bool = False,
       on_token: Callable[[int, int], None] | None = None,
+      cancel: threading.Event | None = None,
   ) -> list[RequestOutput]:
     """Generates a completion for every prompt (strings or lists of token ids), in prompt order.
 
@@ -104,7 +106,9 @@ class LLM:
     `max_target_length` (finish reason "length"), so a larger `max_tokens` is not an error; the progress bar counts
     the tokens that can actually be generated. With `use_chat_template=true` in the config, string prompts are sent
     as one user message through the model's chat template (see `apply_chat_template`). `on_token(prompt index,
-    token id)` is called for every token as soon as it is sampled (in step order), e.g. to stream text.
+    token id)` is called for every token as soon as it is sampled (in step order), e.g. to stream text. When
+    `cancel` is set (from a signal handler or another thread), the call aborts its unfinished requests and raises
+    KeyboardInterrupt before its next step.
 
     Raises:
       TypeError: `prompts` is not a string, a list of token ids or a list of those (bytes, None, a number), a
@@ -137,6 +141,8 @@ class LLM:
     try:
       with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=not use_tqdm) as progress:
         while self.engine.has_unfinished_requests():
+          if cancel is not None and cancel.is_set():
+            raise KeyboardInterrupt("generate cancelled")
           before = self.engine.stats.generated_tokens
           for finished in self.engine.step():
             done[finished.request_id] = finished

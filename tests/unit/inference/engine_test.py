@@ -3,6 +3,7 @@ that fail validation, and an interrupted `LLM.generate`. The reference for every
 alone in the same engine (nothing else queued), so only the runner's sharing of caches between requests is tested.
 """
 
+import threading
 import types
 
 import numpy as np
@@ -151,6 +152,24 @@ def test_llm_abort_request_and_an_interrupted_generate_leave_nothing_behind(monk
   monkeypatch.undo()
   (out,) = llm.generate([[11, 12]], SamplingParams(max_tokens=3))  # the next call runs only its own request
   assert len(out.outputs[0].token_ids) == 3 and llm.engine.stats.aborted_requests == 3
+
+
+def test_a_set_cancel_event_stops_generate_before_its_next_step():
+  llm = LLM(model_name="llama-tiny", **RUNNER)
+  cancel = threading.Event()
+  seen = []
+
+  def on_token(index, token):
+    seen.append((index, token))
+    cancel.set()  # as a Ctrl-C handler would, after the first sampled token
+
+  with pytest.raises(KeyboardInterrupt, match="generate cancelled"):
+    llm.generate([[5, 6, 7], [8, 9, 10]], SamplingParams(max_tokens=8), on_token=on_token, cancel=cancel)
+  assert len(seen) == 2  # one step ran (both prompts prefilled and sampled once), the next did not
+  assert not llm.engine.scheduler.has_unfinished_requests() and llm.engine.all_free()
+  assert llm.engine.stats.aborted_requests == 2
+  (out,) = llm.generate([[11, 12]], SamplingParams(max_tokens=3), cancel=threading.Event())
+  assert len(out.outputs[0].token_ids) == 3
 
 
 def test_logits_rows_are_the_sampling_requests_padded_to_a_power_of_two():

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from maxtext.configs import available_models, load_config
+from maxtext.inference.batch import next_power_of_two
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.kernels.backend import default_backend
@@ -116,7 +117,7 @@ class PagedHarness:
       self._ensure_blocks(req, n)
     t = len(tokens)
     # At least `pad_tokens` of padding, up to a power-of-two bucket as the runner pads (few shapes, few compiles).
-    pad_tokens = max(16, 1 << (t + pad_tokens - 1).bit_length()) - t
+    pad_tokens = max(16, next_power_of_two(t + pad_tokens)) - t
     tokens += [0] * pad_tokens
     positions += list(self.rng.integers(0, MAX_LEN, pad_tokens))  # stale, as the runner leaves them
     s = len(plan)

@@ -3,13 +3,17 @@
 One call serves a whole ragged batch (decodes, prefills and chunked prefills mixed): it writes the new K/V rows
 into the paged cache, then every query attends causally over its request's cached tokens.
 
-Approach (memory-bounded, static shapes): tokens are processed in blocks of `query_block_size` with `lax.map`
-(each block vectorised with `vmap`). For one token, the P pages of its request are gathered from the cache
-(`[P * block_size]` key/value rows), so the working set of a block is
-`query_block_size * P * block_size * (cache row bytes)`, and the default block size keeps it under
+Approach (static shapes, one page gather per block of queries): each request's new tokens are cut into work items
+of `query_block_size` consecutive queries, and an item gathers its request's P pages once (`[P * block_size]` key
+/ value rows) for all its queries. A batch of T tokens over S request rows has at most `min(T, ceil(T / Bq) + S)`
+items, a static count; the items past the real ones are padding. The default block follows the batch's shape:
+1 for a batch of decodes (one token per request), up to 64 for prefills, so a prefill gathers each page once per
+64 queries instead of once per query. Scores and weighted sums are written as broadcast products reduced over
+the head dim and the keys, which XLA on CPU fuses with the gather instead of transposing the gathered rows for a
+batched matmul. Items run vectorised, in batches that keep the gathered pages and scores of a batch under
 `_GATHER_BUDGET_BYTES`. Reading every page of a request and masking beyond the query position keeps all shapes
-static; the cost per token is that of attending over `P * block_size` keys, which is fine for the tiny models this
-backend runs on CPU. A TPU backend replaces this function as a whole (same signature and cache layout).
+static; the cost of a query is that of attending over `P * block_size` keys, fine for the models this backend
+runs on CPU. A TPU backend replaces this function as a whole (same signature and cache layout).
 """
 
 import jax
@@ -84,13 +88,34 @@ def _validate(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
   return num_kv_heads
 
 
-def default_query_block_size(num_tokens: int, kv_cache: jax.Array, pages_per_seq: int, num_q_heads: int) -> int:
-  """Largest token block whose gathered pages and logits fit in `_GATHER_BUDGET_BYTES` (at least 1)."""
+# The largest default query block: past it, padding queries in partial blocks cost more than the gathers saved.
+_MAX_DEFAULT_QUERY_BLOCK = 64
+
+
+def default_query_block_size(num_tokens: int, num_seqs: int) -> int:
+  """Queries per work item: the power of two at or above the mean tokens per request row, within [1, 64].
+
+  A batch of decodes (T <= S) gets 1, so no item carries padding queries; a prefill of T tokens over a few
+  requests gets large blocks, so each gathers its pages for many queries.
+  """
+  mean = -(-num_tokens // max(1, num_seqs))
+  return min(_MAX_DEFAULT_QUERY_BLOCK, 1 << max(0, mean - 1).bit_length())
+
+
+def num_work_items(num_tokens: int, num_seqs: int, query_block_size: int) -> int:
+  """Static count of work items: a request of `ql` tokens takes `ceil(ql / Bq)` of them, each at least one token."""
+  if query_block_size == 1:
+    return num_tokens
+  return min(num_tokens, -(-num_tokens // query_block_size) + num_seqs)
+
+
+def items_per_batch(kv_cache: jax.Array, pages_per_seq: int, num_q_heads: int, query_block_size: int) -> int:
+  """Work items vectorised together: as many as keep their gathered pages and scores under the budget (>= 1)."""
   _, block_size, rows, pk, padded_dim = kv_cache.shape
   keys = pages_per_seq * block_size
-  # Cache rows in their dtype plus the fp32 K and V copies, plus fp32 logits and probabilities.
-  per_token = keys * rows * pk * padded_dim * (kv_cache.dtype.itemsize + 8) + 2 * keys * num_q_heads * 4
-  return int(max(1, min(num_tokens, _GATHER_BUDGET_BYTES // per_token)))
+  # Cache rows in their dtype plus the fp32 K and V copies, plus fp32 scores and probabilities of each query.
+  per_item = keys * rows * pk * padded_dim * (kv_cache.dtype.itemsize + 8) + 2 * query_block_size * keys * num_q_heads * 4
+  return int(max(1, _GATHER_BUDGET_BYTES // per_item))
 
 
 def ragged_paged_attention(
@@ -137,7 +162,8 @@ def ragged_paged_attention(
     update_kv_cache: write k/v into the cache first; False reads the cache as given (KV-sharing layers).
     mask_value: logit of masked keys; defaults to the fp32 minimum (logits are fp32).
     num_kv_heads: Hkv when k/v are None; must match k when both are given.
-    query_block_size: tokens per vectorised block; defaults to the largest block within the gather budget.
+    query_block_size: queries per work item (each gathers its request's pages once); defaults to
+      `default_query_block_size(T, S)`.
 
   Returns:
     `(out [T, Hq, d] in q.dtype, new_kv_cache)`; `new_kv_cache` is `kv_cache` itself when not updating.
@@ -152,16 +178,15 @@ def ragged_paged_attention(
   if update_kv_cache and k is None:
     raise ValueError("ragged_paged_attention: update_kv_cache=True needs k and v")
   num_kv_heads = _validate(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks, num_kv_heads)
-  num_tokens, num_q_heads, head_dim = q.shape
+  num_tokens = q.shape[0]
   num_blocks, block_size = kv_cache.shape[:2]
   num_seqs = kv_lens.shape[0]
   pages_per_seq = page_indices.shape[0] // num_seqs
   max_kv_len = pages_per_seq * block_size
-  group = num_q_heads // num_kv_heads
   if mask_value is None:
     mask_value = float(jnp.finfo(jnp.float32).min)
   if query_block_size is None:
-    query_block_size = default_query_block_size(num_tokens, kv_cache, pages_per_seq, num_q_heads)
+    query_block_size = default_query_block_size(num_tokens, num_seqs)
 
   page_indices = page_indices.astype(jnp.int32)
   layout = ragged_batch.token_layout(num_tokens, cu_q_lens, distribution)
@@ -185,36 +210,116 @@ def ragged_paged_attention(
       rows = jnp.concatenate([rows, rows])
     new_cache = flat_cache.at[flat_rows].set(rows, mode="drop").reshape(kv_cache.shape)
 
-  sink_logits = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, group)
-  key_positions = jnp.arange(max_kv_len, dtype=jnp.int32)
+  out = _attend(
+      q,
+      new_cache,
+      kv_lens.astype(jnp.int32),
+      page_indices,
+      cu_q_lens.astype(jnp.int32),
+      layout,
+      num_kv_heads=num_kv_heads,
+      sm_scale=sm_scale,
+      sliding_window=sliding_window,
+      soft_cap=soft_cap,
+      sinks=sinks,
+      mask_value=mask_value,
+      query_block_size=query_block_size,
+  )
+  return out, new_cache
 
-  def attend_one(args):
-    q_t, request, position, is_active = args  # q_t: [Hq, d]
+
+def _attend(
+    q: jax.Array,
+    cache: jax.Array,
+    kv_len: jax.Array,
+    page_indices: jax.Array,
+    query_start_loc: jax.Array,
+    layout: ragged_batch.TokenLayout,
+    *,
+    num_kv_heads: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    sinks: jax.Array | None,
+    mask_value: float,
+    query_block_size: int,
+) -> jax.Array:
+  """Attention of every real query over its request's pages of `cache` (already holding this step's K/V).
+
+  Args:
+    q: `[T, Hq, d]`.
+    cache: `[N, bs, R, pk, dp]`.
+    kv_len: `[S]` int32 KV length per request after this step.
+    page_indices: `[S * P]` int32.
+    query_start_loc: `[S + 1]` int32.
+    layout: the batch's `TokenLayout`.
+    num_kv_heads, sm_scale, sliding_window, soft_cap, sinks, mask_value: as in `ragged_paged_attention`.
+    query_block_size: queries per work item Bq.
+
+  Returns:
+    `[T, Hq, d]` in q's dtype; rows of padding tokens (and of malformed positions) are zero.
+  """
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_seqs = kv_len.shape[0]
+  pages_per_seq = page_indices.shape[0] // num_seqs
+  block_size = cache.shape[1]
+  max_kv_len = pages_per_seq * block_size
+  group = num_q_heads // num_kv_heads
+  qb = query_block_size
+
+  # Work item i is block `item_block` of request `item_request`: request-local queries [item_block * Bq, + Bq).
+  blocks = (layout.query_lens + qb - 1) // qb  # [S], 0 for padded requests
+  ends = jnp.cumsum(blocks)
+  num_items = num_work_items(num_tokens, num_seqs, qb)
+  items = jnp.arange(num_items, dtype=jnp.int32)
+  item_request = jnp.minimum(jnp.sum(ends[None, :] <= items[:, None], axis=1, dtype=jnp.int32), num_seqs - 1)
+  item_block = items - (ends - blocks)[item_request]
+  item_valid = items < ends[-1]
+  item_start = query_start_loc[item_request] + item_block * qb  # batch index of the item's first query
+
+  # Padding rows at the end so that every item's slice of Bq queries lies inside the array.
+  q_padded = jnp.pad(q, ((0, qb), (0, 0), (0, 0)))
+  key_positions = jnp.arange(max_kv_len, dtype=jnp.int32)
+  offsets = jnp.arange(qb, dtype=jnp.int32)
+  sink_logits = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+
+  def attend_item(args):
+    request, block, start, valid = args
+    local = block * qb + offsets  # [Bq] request-local query index
+    query_len = layout.query_lens[request]
+    positions = kv_len[request] - query_len + local
+    # Malformed metadata (a position outside the request's pages) is treated like padding: no read.
+    row_valid = valid & (local < query_len) & (positions >= 0) & (positions < max_kv_len)
+    q_rows = jax.lax.dynamic_slice_in_dim(q_padded, start, qb).astype(jnp.float32)
+    q_rows = q_rows.reshape(qb, 1, num_kv_heads, group, head_dim)
     pages = jax.lax.dynamic_slice_in_dim(page_indices, request * pages_per_seq, pages_per_seq)
-    gathered = new_cache[pages].reshape(max_kv_len, *kv_cache.shape[2:])
-    keys, values = kv_cache_layout.read_kv(gathered, num_kv_heads, head_dim)  # [P * bs, Hkv, d]
-    qg = q_t.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
-    logits = jnp.einsum("hgd,lhd->hgl", qg, keys.astype(jnp.float32)) * sm_scale
+    gathered = cache[pages].reshape(max_kv_len, *cache.shape[2:])
+    keys, values = kv_cache_layout.read_kv(gathered, num_kv_heads, head_dim)  # [L, Hkv, d]
+    # Scores [Bq, L, Hkv, G]: a product reduced over d, fused with the gather (no transposed copy of the keys).
+    logits = jnp.sum(q_rows * keys.astype(jnp.float32)[None, :, :, None, :], axis=-1) * sm_scale
     if soft_cap is not None:
       logits = soft_cap * jnp.tanh(logits / soft_cap)
-    keep = key_positions <= position
+    keep = key_positions[None, :] <= positions[:, None]  # [Bq, L]
     if sliding_window is not None:
-      keep &= position - key_positions < sliding_window
-    logits = jnp.where(keep, logits, mask_value)
-    row_max = jnp.max(logits, axis=-1)
+      keep &= positions[:, None] - key_positions[None, :] < sliding_window
+    logits = jnp.where(keep[:, :, None, None], logits, mask_value)
+    row_max = jnp.max(logits, axis=1)  # [Bq, Hkv, G]
     if sink_logits is not None:
       row_max = jnp.maximum(row_max, sink_logits)
-    probs = jnp.exp(logits - row_max[..., None])
-    denom = jnp.sum(probs, axis=-1)
+    probs = jnp.exp(logits - row_max[:, None])
+    denom = jnp.sum(probs, axis=1)
     if sink_logits is not None:
       denom = denom + jnp.exp(sink_logits - row_max)
-    out = jnp.einsum("hgl,lhd->hgd", probs, values.astype(jnp.float32)) / denom[..., None]
-    out = jnp.where(is_active, out, 0.0)
-    return out.reshape(num_q_heads, head_dim).astype(q.dtype)
+    weighted = jnp.sum(probs[..., None] * values.astype(jnp.float32)[None, :, :, None, :], axis=1)  # [Bq, Hkv, G, d]
+    out = jnp.where(row_valid[:, None, None, None], weighted / denom[..., None], 0.0)
+    rows = jnp.where(row_valid, start + offsets, num_tokens + qb)  # out of range: dropped
+    return out.reshape(qb, num_q_heads, head_dim).astype(q.dtype), rows
 
-  per_token = (q, request_ids, positions, active)
-  if query_block_size >= num_tokens:
-    out = jax.vmap(attend_one)(per_token)  # one block: no loop
+  per_item = (item_request, item_block, item_start, item_valid)
+  batch = items_per_batch(cache, pages_per_seq, num_q_heads, qb)
+  if batch >= num_items:
+    outs, rows = jax.vmap(attend_item)(per_item)  # one batch: no loop
   else:
-    out = jax.lax.map(attend_one, per_token, batch_size=query_block_size)
-  return out, new_cache
+    outs, rows = jax.lax.map(attend_item, per_item, batch_size=batch)
+  out = jnp.zeros((num_tokens, num_q_heads, head_dim), q.dtype)
+  return out.at[rows.reshape(-1)].set(outs.reshape(-1, num_q_heads, head_dim), mode="drop")

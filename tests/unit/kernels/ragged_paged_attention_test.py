@@ -372,13 +372,51 @@ def test_rejects_bad_arguments(change, error, match):
     rpa.ragged_paged_attention(**args)
 
 
-def test_default_query_block_size_respects_the_budget():
-  """Small problems run in one block; large ones are cut."""
+@pytest.mark.parametrize(
+    "num_tokens, num_seqs, expected",
+    [(8, 8, 1), (4, 8, 1), (16, 8, 2), (128, 8, 16), (100, 8, 16), (512, 8, 64), (4096, 2, 64), (64, 1, 64)],
+)
+def test_default_query_block_size_follows_tokens_per_request(num_tokens, num_seqs, expected):
+  """Decodes get one query per item; prefills the power of two at or above the mean, at most 64."""
+  assert rpa.default_query_block_size(num_tokens, num_seqs) == expected
+
+
+@pytest.mark.parametrize("query_block_size", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_work_items_cover_every_request_split(seed, query_block_size):
+  """Random request lengths: the static item count is enough, so no query is left out."""
+  rng = np.random.default_rng(seed)
+  num_requests = int(rng.integers(1, 6))
+  requests = tuple((int(rng.integers(0, 9)), int(rng.integers(1, 8))) for _ in range(num_requests))
+  num_tokens = sum(n for _, n in requests) + int(rng.integers(0, 3))
+  needed = sum(-(-n // query_block_size) for _, n in requests)
+  assert needed <= rpa.num_work_items(num_tokens, 6, query_block_size)
+  b = _make_batch(seed, requests, num_tokens=num_tokens, max_reqs=6)
+  out, new_cache = _run(b, sm_scale=0.3, query_block_size=query_block_size)
+  _check(b, out, new_cache, sm_scale=0.3)
+
+
+def test_items_per_batch_respects_the_budget():
+  """Small problems run as one vectorised batch; large ones are cut into batches within the budget."""
   cache = jnp.zeros((2, 16, 8, 1, 128), jnp.float32)
-  assert rpa.default_query_block_size(64, cache, pages_per_seq=4, num_q_heads=8) == 64
+  assert rpa.items_per_batch(cache, pages_per_seq=4, num_q_heads=8, query_block_size=16) == (64 << 20) // (
+      64 * 8 * 128 * 12 + 2 * 16 * 64 * 8 * 4
+  )
   big = jax.ShapeDtypeStruct((2, 1024, 8, 1, 128), jnp.float32)
-  per_token = 64 * 1024 * 8 * 128 * 12 + 2 * 64 * 1024 * 8 * 4
-  assert rpa.default_query_block_size(4096, big, pages_per_seq=64, num_q_heads=8) == max(1, (64 << 20) // per_token)
+  per_item = 64 * 1024 * 8 * 128 * 12 + 2 * 64 * 64 * 1024 * 8 * 4
+  assert rpa.items_per_batch(big, pages_per_seq=64, num_q_heads=8, query_block_size=64) == max(1, (64 << 20) // per_item)
+
+
+def test_items_past_the_budget_run_in_batches(monkeypatch):
+  """A budget of one item's pages makes the kernel loop over items; the results do not change."""
+  b = _make_batch(13, MIXED)
+  monkeypatch.setattr(rpa, "_GATHER_BUDGET_BYTES", 1)
+  out, new_cache = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=0.25, query_block_size=2))(
+      *(jnp.asarray(x) for x in (b.q, b.k, b.v)),
+      b.cache(),
+      *(jnp.asarray(x) for x in (b.kv_lens, b.page_table, b.cu_q_lens, b.distribution)),
+  )
+  _check(b, out, new_cache, sm_scale=0.25)
 
 
 @pytest.mark.parametrize("num_requests", [0, 1])

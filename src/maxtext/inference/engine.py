@@ -154,10 +154,16 @@ class LLMEngine:
       rows = logits(leaves, hidden, logits_indices)
       return jnp.argmax(rows, axis=-1).astype(jnp.int32), jnp.all(jnp.isfinite(rows), axis=-1)
 
+    def step_greedy(leaves, kv_caches, input_ids, attention_metadata, input_positions, logits_indices, layer_map):
+      kv_caches, hidden = step(leaves, kv_caches, input_ids, attention_metadata, input_positions, layer_map)
+      return (kv_caches, *greedy(leaves, hidden, logits_indices))
+
     # The runner's settings: kv_caches donated, the layer map static.
     self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(5,))
     self._logits = jax.jit(logits)
-    self._greedy = jax.jit(greedy)
+    # Greedy steps without logprobs run the model and the argmax as one program: one dispatch per step, and only
+    # the token ids come back to the host.
+    self._step_greedy = jax.jit(step_greedy, donate_argnums=(1,), static_argnums=(6,))
 
   def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
     """Queues a request; returns its id.
@@ -240,28 +246,31 @@ class LLMEngine:
       return aborted
     batch = build_batch(self.cfg, out, self.manager)
     metadata = make_attention_metadata(batch, on_device=False)
-    self.kv_caches, hidden = self._step(
-        self._state_leaves, self.kv_caches, batch.input_ids, metadata, metadata_positions(metadata), self.layer_map
-    )
+    inputs = (self._state_leaves, self.kv_caches, batch.input_ids, metadata, metadata_positions(metadata))
+    requests = {e.request.request_id: e.request for e in out.scheduled}
+    params = [requests[rid].sampling_params for rid in out.sampling_request_ids]
     sampled: dict[str, int] = {}
-    if out.sampling_request_ids:
-      requests = {e.request.request_id: e.request for e in out.scheduled}
-      params = [requests[rid].sampling_params for rid in out.sampling_request_ids]
-      indices = sampling_logits_indices(batch, out.sampling_request_ids)
-      if all(p.is_greedy and p.logprobs is None for p in params):
-        # Greedy without logprobs: argmax on the device, only the token ids come back to the host.
-        token_ids, finite = (np.asarray(a) for a in self._greedy(self._state_leaves, hidden, indices))
-        check_finite_rows(finite[: len(params)])
-        token_ids, logprobs = token_ids[: len(params)], [None] * len(params)
-      else:
+    if params and all(p.is_greedy and p.logprobs is None for p in params):
+      # Logits rows padded to a size fixed by the step's static shapes (its token and request buckets), so the
+      # fused program compiles no more often than the step alone.
+      num_rows = min(batch.padded_num_reqs, batch.padded_num_tokens)
+      indices = sampling_logits_indices(batch, out.sampling_request_ids, num_rows=num_rows)
+      self.kv_caches, token_ids, finite = self._step_greedy(*inputs, indices, self.layer_map)
+      token_ids, finite = np.asarray(token_ids), np.asarray(finite)
+      check_finite_rows(finite[: len(params)])
+      for rid, token in zip(out.sampling_request_ids, token_ids[: len(params)]):
+        sampled[rid] = int(token)
+    else:
+      self.kv_caches, hidden = self._step(*inputs, self.layer_map)
+      if params:
+        indices = sampling_logits_indices(batch, out.sampling_request_ids)
         logits = np.asarray(self._logits(self._state_leaves, hidden, indices))[: len(params)]
         steps = [len(requests[rid].output_token_ids) for rid in out.sampling_request_ids]
         result = self.sampler.sample(logits, params, steps)
-        token_ids, logprobs = result.token_ids, result.logprobs
-      for rid, token, logprob in zip(out.sampling_request_ids, token_ids, logprobs):
-        sampled[rid] = int(token)
-        if logprob is not None:
-          self._logprobs[rid].append(logprob)
+        for rid, token, logprob in zip(out.sampling_request_ids, result.token_ids, result.logprobs):
+          sampled[rid] = int(token)
+          if logprob is not None:
+            self._logprobs[rid].append(logprob)
     self.last_sampled = sampled
     finished = self.scheduler.update_from_output(out, sampled)
     self.stats.steps += 1
@@ -281,18 +290,27 @@ class LLMEngine:
     return self.manager.all_free()
 
 
-def sampling_logits_indices(batch: BatchInputs, sampling_request_ids: Sequence[str]) -> np.ndarray:
+def sampling_logits_indices(
+    batch: BatchInputs, sampling_request_ids: Sequence[str], num_rows: int | None = None
+) -> np.ndarray:
   """The hidden-state rows to compute logits for: each sampling request's last token, in `sampling_request_ids` order.
 
   Only the requests that sample this step get logits (a chunked prefill that does not finish its prompt gets
-  none). The rows are padded to a power of two (repeating the first row) so the logits program compiles once per
-  bucket.
+  none). The rows are padded (repeating the first row) to `num_rows`, or to a power of two when None, so the logits
+  program compiles once per bucket.
 
   Returns:
-    `[next_power_of_two(len(sampling_request_ids))]` int32; the first `len(sampling_request_ids)` rows are real.
+    `[num_rows or next_power_of_two(len(sampling_request_ids))]` int32; the first `len(sampling_request_ids)` rows
+    are real.
+
+  Raises:
+    ValueError: `num_rows` is below the number of sampling requests.
   """
   rows = [batch.request_ids.index(rid) for rid in sampling_request_ids]
-  indices = np.full((next_power_of_two(len(rows)),), batch.logits_indices[rows[0]], np.int32)
+  size = next_power_of_two(len(rows)) if num_rows is None else num_rows
+  if size < len(rows):
+    raise ValueError(f"num_rows={num_rows} cannot hold the logits rows of {len(rows)} sampling requests")
+  indices = np.full((size,), batch.logits_indices[rows[0]], np.int32)
   indices[: len(rows)] = batch.logits_indices[rows]
   return indices
 

@@ -178,6 +178,22 @@ def test_logits_rows_are_the_sampling_requests_padded_to_a_power_of_two():
   np.testing.assert_array_equal(sampling_logits_indices(batch, ["a", "c", "b"]), [0, 9, 4, 0])
 
 
+def test_logits_rows_padded_to_a_given_count_and_never_below_the_sampling_requests():
+  batch = types.SimpleNamespace(request_ids=("a", "b", "c"), logits_indices=np.array([0, 4, 9, 0, 0, 0, 0, 0]))
+  np.testing.assert_array_equal(sampling_logits_indices(batch, ["c", "a"], num_rows=8), [9, 0, 9, 9, 9, 9, 9, 9])
+  with pytest.raises(ValueError, match="num_rows=2 cannot hold the logits rows of 3 sampling requests"):
+    sampling_logits_indices(batch, ["a", "b", "c"], num_rows=2)
+
+
+def test_greedy_and_sampled_steps_produce_the_same_greedy_tokens():
+  """The fused greedy program and the separate step + logits path agree (temperature 0 through the sampler)."""
+  prompts = [[5, 6, 7, 8], [9, 10]]
+  fused = LLM(model_name="llama-tiny", **RUNNER).generate(prompts, SamplingParams(max_tokens=5))
+  # Logprobs send greedy requests through the separate path: logits to the host, the sampler's argmax.
+  separate = LLM(model_name="llama-tiny", **RUNNER).generate(prompts, SamplingParams(max_tokens=5, logprobs=1))
+  assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in separate]
+
+
 def test_greedy_on_device_rejects_non_finite_rows_like_the_sampler():
   check_finite_rows(np.array([True, True]))
   with pytest.raises(ValueError, match="logits row 1 holds non-finite values"):

@@ -15,7 +15,10 @@ steady-state recompilations (this package: the engine's step traces during the t
 share of the memory roofline: (active weight bytes per step / read bandwidth) / measured time per step, where a
 step is one token per request (the prompt's prefill is part of the timed call) and the active bytes count every
 weight read in a decode step (the untied embedding table is not read; an MoE layer reads the experts its batch
-selects, estimated for uniform routing). Whether each peer's greedy tokens equal transformers' is reported too.
+selects, estimated for uniform routing). For this package it also times the decode steps themselves (the median
+wall time of an engine step that only decodes: scheduling, the model, the greedy pick and the bookkeeping) and
+reports their roofline share, the one a decode step reaches without the prefill. Whether each peer's greedy tokens
+equal transformers' is reported too.
 
 Timings are measurements only; on a shared machine compare ratios from one run, not absolute numbers.
 
@@ -210,8 +213,31 @@ def _prompts(vocab_size: int, batch: int, prompt_len: int, seed: int) -> list[li
   return rng.integers(3, vocab_size, size=(batch, prompt_len)).tolist()
 
 
+def _time_decode_steps(engine: Any) -> list[float]:
+  """Wraps `engine.step` to record the wall time of every pure-decode step (each scheduled token is sampled).
+
+  Returns the list the times are appended to; a step that prefills (more tokens scheduled than sampled) is skipped.
+  """
+  times: list[float] = []
+  step = engine.step
+
+  def timed_step():
+    scheduled, generated = engine.stats.scheduled_tokens, engine.stats.generated_tokens
+    start = time.perf_counter()
+    finished = step()
+    elapsed = time.perf_counter() - start
+    if engine.stats.scheduled_tokens - scheduled == engine.stats.generated_tokens - generated > 0:
+      times.append(elapsed)
+    return finished
+
+  engine.step = timed_step
+  return times
+
+
 def run_maxtext(folder: str, batches: Sequence[int], prompt_len: int, new_tokens: int, repeats: int) -> dict[str, Any]:
-  """This package's LLM over the Hugging Face folder."""
+  """This package's LLM over the Hugging Face folder; also the median wall time of its decode steps."""
+  import statistics
+
   from maxtext.inference import LLM, SamplingParams
 
   start = time.perf_counter()
@@ -223,6 +249,7 @@ def run_maxtext(folder: str, batches: Sequence[int], prompt_len: int, new_tokens
   )
   load_s = time.perf_counter() - start
   params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+  decode_times = _time_decode_steps(llm.engine)
   out: dict[str, Any] = {"load_s": load_s, "batches": {}}
   for batch in batches:
     prompts = _prompts(llm.tokenizer.vocab_size, batch, prompt_len, seed=batch)
@@ -230,6 +257,7 @@ def run_maxtext(folder: str, batches: Sequence[int], prompt_len: int, new_tokens
     llm.generate(prompts, params)  # warm-up: compiles this batch's shapes
     first_s = time.perf_counter() - start
     traces = llm.engine.stats.step_traces
+    decode_times.clear()
     best, tokens = float("inf"), None
     for _ in range(repeats):
       start = time.perf_counter()
@@ -241,6 +269,8 @@ def run_maxtext(folder: str, batches: Sequence[int], prompt_len: int, new_tokens
         "generate_s": best,
         "tokens_per_s": batch * new_tokens / best,
         "recompilations": llm.engine.stats.step_traces - traces,
+        # Whole engine steps (schedule, model, greedy pick, bookkeeping) of the timed calls; None with 1 new token.
+        "decode_step_s": statistics.median(decode_times) if decode_times else None,
         "tokens": tokens,
     }
   return out
@@ -416,6 +446,8 @@ def summarize(
               "first_call_s": stats["first_call_s"],
               "recompilations": stats.get("recompilations"),
               "roofline_share": ideal_s / step_s,
+              "decode_step_s": stats.get("decode_step_s"),
+              "decode_step_roofline_share": ideal_s / stats["decode_step_s"] if stats.get("decode_step_s") else None,
               "same_tokens_as_transformers": _matches(stats["tokens"], reference.get(batch, {}).get("tokens")),
           }
       )
@@ -434,7 +466,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
   """Human-readable table of `summarize` rows."""
   header = (
       f"{'model':<11} {'peer':<12} {'batch':>5} {'tok/s':>8} {'vs best':>7} {'load_s':>7} {'first_s':>7} "
-      f"{'recomp':>6} {'roofline':>8} {'same':>5}"
+      f"{'recomp':>6} {'roofline':>8} {'step_ms':>7} {'step_rf':>7} {'same':>5}"
   )
   lines = [header, "-" * len(header)]
   for row in rows:
@@ -444,9 +476,13 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     ratio = f"{row['ratio_to_best_peer']:.2f}" if "ratio_to_best_peer" in row else "-"
     recomp = "-" if row["recompilations"] is None else str(row["recompilations"])
     same = "-" if row["same_tokens_as_transformers"] is None else f"{row['same_tokens_as_transformers']:.2f}"
+    step_s, step_share = row.get("decode_step_s"), row.get("decode_step_roofline_share")
+    step_ms = "-" if step_s is None else f"{step_s * 1e3:.2f}"
+    step_rf = "-" if step_share is None else f"{step_share:.2f}"
     lines.append(
         f"{row['model']:<11} {row['peer']:<12} {row['batch']:>5} {row['tokens_per_s']:>8.1f} {ratio:>7} "
-        f"{row['load_s']:>7.2f} {row['first_call_s']:>7.2f} {recomp:>6} {row['roofline_share']:>8.2f} {same:>5}"
+        f"{row['load_s']:>7.2f} {row['first_call_s']:>7.2f} {recomp:>6} {row['roofline_share']:>8.2f} {step_ms:>7} "
+        f"{step_rf:>7} {same:>5}"
     )
   return "\n".join(lines)
 

@@ -198,3 +198,14 @@ def test_greedy_on_device_rejects_non_finite_rows_like_the_sampler():
   check_finite_rows(np.array([True, True]))
   with pytest.raises(ValueError, match="logits row 1 holds non-finite values"):
     check_finite_rows(np.array([True, False, False]))
+
+
+def test_state_slot_zeroing_compiles_once_when_the_engine_starts():
+  """Reusing recurrent state slots (a second generate) runs the program compiled at start-up: no compile per reuse."""
+  llm = LLM(model_name="qwen3.5-tiny", **RUNNER)
+  zero_rows = llm.engine._zero_rows  # pylint: disable=protected-access
+  assert zero_rows._cache_size() == 1  # pylint: disable=protected-access
+  first = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3))
+  again = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3))  # the freed slots are zeroed and reused
+  assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+  assert zero_rows._cache_size() == 1  # pylint: disable=protected-access

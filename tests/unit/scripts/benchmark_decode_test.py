@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -38,8 +39,11 @@ def test_quick_run_reports_every_model_peer_and_batch_with_transformers_tokens(c
     assert row["same_tokens_as_transformers"] == 1.0, row
     if row["peer"] == "maxtext":
       assert row["recompilations"] == 0 and row["ratio_to_best_peer"] > 0
+      # 4 new tokens: 3 pure-decode steps per call; a decode step is faster than a whole call per token.
+      assert 0 < row["decode_step_s"] and row["decode_step_roofline_share"] > row["roofline_share"] * 0.5
     else:
       assert row["recompilations"] is None and "ratio_to_best_peer" not in row
+      assert row["decode_step_s"] is None and row["decode_step_roofline_share"] is None
 
 
 def test_active_experts_and_weight_bytes():
@@ -71,6 +75,8 @@ def test_table_marks_peers_that_did_not_run():
           "first_call_s": 2.0,
           "recompilations": 0,
           "roofline_share": 0.25,
+          "decode_step_s": 0.0125,
+          "decode_step_roofline_share": 0.5,
           "same_tokens_as_transformers": 1.0,
           "ratio_to_best_peer": 0.5,
       },
@@ -79,10 +85,38 @@ def test_table_marks_peers_that_did_not_run():
   lines = benchmark.format_table(rows).splitlines()
   assert lines[0].split() == ["model", "peer", "batch", "tok/s", "vs", "best", "load_s", "first_s", "recomp"] + [
       "roofline",
+      "step_ms",
+      "step_rf",
       "same",
   ]
-  assert lines[2].split() == ["llama", "maxtext", "1", "50.0", "0.50", "1.00", "2.00", "0", "0.25", "1.00"]
+  assert lines[2].split() == ["llama", "maxtext", "1", "50.0", "0.50", "1.00", "2.00", "0", "0.25", "12.50", "0.50"] + [
+      "1.00"
+  ]
   assert lines[3].split()[:4] == ["llama", "vllm", "not", "run:"] and lines[3].endswith("boom")
+
+
+def test_decode_step_timer_keeps_only_steps_that_sample_every_scheduled_token():
+  benchmark = _load_benchmark()
+
+  class Engine:
+    """Steps through a plan of (scheduled, sampled) token counts like the engine's counters."""
+
+    def __init__(self):
+      self.stats = types.SimpleNamespace(scheduled_tokens=0, generated_tokens=0)
+      self.plan = [(64, 1), (1, 1), (8, 8), (5, 0)]  # prefill + first token, decode, 8 decodes, chunk without sample
+
+    def step(self):
+      """One planned step."""
+      scheduled, generated = self.plan.pop(0)
+      self.stats.scheduled_tokens += scheduled
+      self.stats.generated_tokens += generated
+      return []
+
+  engine = Engine()
+  times = benchmark._time_decode_steps(engine)  # pylint: disable=protected-access
+  for _ in range(4):
+    assert not engine.step()
+  assert len(times) == 2 and all(t >= 0 for t in times)
 
 
 def test_vllm_is_reported_missing_from_an_interpreter_without_it():

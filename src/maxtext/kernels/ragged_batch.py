@@ -142,10 +142,12 @@ def ragged_state_scan(
   A request's first token starts from its read slot's state (`read_state_indices`, else `state_indices`) when it
   has an initial state (`has_initial_state`), else from zeros; every token applies `update(state, xs_t)`, which
   returns `(new state, output row)`; the state after a request's last token is written to its `state_indices`
-  slot. Padding tokens (beyond `query_start_loc[distribution[2]]`) output zeros and write nothing.
+  slot. Padding tokens (beyond `query_start_loc[distribution[2]]`) output zeros and write nothing. When no request
+  has more than one new token (a batch of decodes), the tokens update at once (`vmap` of `update`) instead of in a
+  `lax.scan` over the tokens; which way runs is decided on the device (`lax.cond`), the results are the same.
 
   Args:
-    update: `(state [*S], per-token inputs of one token) -> (state, out)`, traced once inside `lax.scan`.
+    update: `(state [*S], per-token inputs of one token) -> (state, out)`, traced under `vmap` and in `lax.scan`.
     per_token: arrays with a leading token axis `[T, ...]`.
     states: `[M, *S]` fp32 state slots.
     state_indices, query_start_loc, seq_lens, distribution, read_state_indices: the ragged metadata.
@@ -165,17 +167,32 @@ def ragged_state_scan(
   is_last = layout.token_offsets == layout.query_lens[request_ids] - 1
   write_slot = jnp.where(layout.token_valid & is_last, state_indices[request_ids], num_slots)  # out of range: none
 
-  def step(carry, xs):
-    state, slots = carry
-    token_xs, request, first, slot, valid = xs
-    state = jnp.where(first, init_states[request], state)
-    state, out = update(state, token_xs)
-    slots = slots.at[slot].set(state, mode="drop")
-    return (state, slots), jnp.where(valid, out, 0.0)
+  def mask_rows(out):
+    return jnp.where(layout.token_valid.reshape((-1,) + (1,) * (out.ndim - 1)), out, 0.0)
 
-  carry = (jnp.zeros(states.shape[1:], jnp.float32), states)
-  (_, new_states), out = jax.lax.scan(step, carry, (per_token, request_ids, is_first, write_slot, layout.token_valid))
-  return out, new_states
+  def one_token_per_request(states):
+    # Every token is its request's first and last: all of them update at once from their initial states.
+    token_states, out = jax.vmap(update)(init_states[request_ids], per_token)
+    return mask_rows(out), states.at[write_slot].set(token_states, mode="drop")
+
+  def scan_tokens(states):
+    def step(carry, xs):
+      state, slots = carry
+      token_xs, request, first, slot, valid = xs
+      state = jnp.where(first, init_states[request], state)
+      state, out = update(state, token_xs)
+      slots = slots.at[slot].set(state, mode="drop")
+      return (state, slots), jnp.where(valid, out, 0.0)
+
+    carry = (jnp.zeros(states.shape[1:], jnp.float32), states)
+    xs = (per_token, request_ids, is_first, write_slot, layout.token_valid)
+    (_, new_states), out = jax.lax.scan(step, carry, xs)
+    return out, new_states
+
+  if num_tokens == 1:
+    return one_token_per_request(states)
+  # A batch of decodes (every request has at most one new token) needs no loop over its tokens.
+  return jax.lax.cond(jnp.all(layout.query_lens <= 1), one_token_per_request, scan_tokens, states)
 
 
 def align_state_indices(

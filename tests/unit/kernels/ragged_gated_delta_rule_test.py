@@ -227,3 +227,18 @@ def test_read_and_write_slots_differ():
   np.testing.assert_allclose(np.asarray(new_state, np.float64), ref_state, atol=1e-5, rtol=1e-5)
   for slot in (1, 4, 6):  # read, never written
     np.testing.assert_array_equal(np.asarray(new_state)[slot], g.state[slot])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_decodes_with_split_read_and_write_slots(num_tokens):
+  """The all-decode path (one token per request, no loop over tokens) honours read slots as the scan does: a
+  restored slot is read and left as it was, the null read slot starts from zeros; T = 1 takes it statically."""
+  requests = ((5, 1, 3), (4, 1, 5), (6, 1, 2))[:num_tokens]
+  g = _make_batch(8, requests, num_tokens=num_tokens, max_reqs=4)
+  read = np.array([1, 0, 6, 0], np.int32)
+  out, new_state = jax.jit(gdr.ragged_gated_delta_rule)(*g.args(), jnp.asarray(read))
+  ref_out, ref_state = _reference(g, read)
+  valid = g.query_start_loc[g.distribution[2]]
+  np.testing.assert_allclose(np.asarray(out, np.float64)[:valid], ref_out[:valid], atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(out)[valid:], 0.0)
+  np.testing.assert_allclose(np.asarray(new_state, np.float64), ref_state, atol=1e-5, rtol=1e-5)

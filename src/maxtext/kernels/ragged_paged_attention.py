@@ -23,7 +23,7 @@ import numpy as np
 from maxtext.kernels import kv_cache_layout
 from maxtext.kernels import ragged_batch
 
-# Upper bound on the pages gathered for one block of queries (bytes); sets the default `query_block_size`.
+# Upper bound on the gathered pages and scores of the work items vectorised together (bytes); sets `items_per_batch`.
 _GATHER_BUDGET_BYTES = 64 * 1024 * 1024
 
 

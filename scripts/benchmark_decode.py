@@ -20,6 +20,10 @@ wall time of an engine step that only decodes: scheduling, the model, the greedy
 reports their roofline share, the one a decode step reaches without the prefill. Whether each peer's greedy tokens
 equal transformers' is reported too.
 
+This package's load + first call is measured twice: a cold start, whose compilation cache folder is empty, and a
+warm start (`wload_s`, `wfirst_s`), a second process over the folder the first one filled, as a second run of the
+same model finds it; the warm start's tokens must equal the cold run's (`warm_same_tokens` in the JSON).
+
 Timings are measurements only; on a shared machine compare ratios from one run, not absolute numbers.
 
 Usage: python scripts/benchmark_decode.py [--models llama gemma3 qwen3_next] [--peers maxtext transformers vllm]
@@ -234,8 +238,23 @@ def _time_decode_steps(engine: Any) -> list[float]:
   return times
 
 
-def run_maxtext(folder: str, batches: Sequence[int], prompt_len: int, new_tokens: int, repeats: int) -> dict[str, Any]:
-  """This package's LLM over the Hugging Face folder; also the median wall time of its decode steps."""
+def run_maxtext(
+    folder: str,
+    batches: Sequence[int],
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    cache_dir: str = "",
+    first_call_only: bool = False,
+) -> dict[str, Any]:
+  """This package's LLM over the Hugging Face folder; also the median wall time of its decode steps.
+
+  Args:
+    folder, batches, prompt_len, new_tokens, repeats: as for every peer.
+    cache_dir: the compilation cache folder (`compilation_cache_dir`; "" = none): empty for a cold start, the
+      folder of an earlier run for a warm one.
+    first_call_only: load and make each batch's first call only, returning its tokens (the warm-start run).
+  """
   import statistics
 
   from maxtext.inference import LLM, SamplingParams
@@ -246,6 +265,7 @@ def run_maxtext(folder: str, batches: Sequence[int], prompt_len: int, new_tokens
       max_num_seqs=max(batches),
       max_num_batched_tokens=max(256, max(batches) * prompt_len),
       max_target_length=prompt_len + new_tokens,
+      compilation_cache_dir=cache_dir,
   )
   load_s = time.perf_counter() - start
   params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
@@ -254,8 +274,11 @@ def run_maxtext(folder: str, batches: Sequence[int], prompt_len: int, new_tokens
   for batch in batches:
     prompts = _prompts(llm.tokenizer.vocab_size, batch, prompt_len, seed=batch)
     start = time.perf_counter()
-    llm.generate(prompts, params)  # warm-up: compiles this batch's shapes
+    outputs = llm.generate(prompts, params)  # warm-up: compiles this batch's shapes (or loads them from the cache)
     first_s = time.perf_counter() - start
+    if first_call_only:
+      out["batches"][str(batch)] = {"first_call_s": first_s, "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+      continue
     traces = llm.engine.stats.step_traces
     decode_times.clear()
     best, tokens = float("inf"), None
@@ -349,11 +372,12 @@ def run_vllm(folder: str, batches: Sequence[int], prompt_len: int, new_tokens: i
 
 # pylint: enable=import-outside-toplevel
 _WORKERS = {"maxtext": run_maxtext, "transformers": run_transformers, "vllm": run_vllm}
+WARM = "maxtext-warm"  # a second maxtext process over the first one's compilation cache
 
 
 def _worker_main(argv: Sequence[str]) -> int:
   parser = argparse.ArgumentParser()
-  parser.add_argument("role", choices=("build", "bandwidth") + PEERS)
+  parser.add_argument("role", choices=("build", "bandwidth", WARM) + PEERS)
   parser.add_argument("--folder", default="")
   parser.add_argument("--model", default="llama")
   parser.add_argument("--batches", type=int, nargs="+", default=[1])
@@ -362,11 +386,15 @@ def _worker_main(argv: Sequence[str]) -> int:
   parser.add_argument("--repeats", type=int, default=1)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--cache-dir", default="")
   args = parser.parse_args(argv)
   if args.role == "build":
     result = build_checkpoint(args.folder, args.model, args.quick, args.seed)
   elif args.role == "bandwidth":
     result = measure_bandwidth(args.quick)
+  elif args.role in ("maxtext", WARM):
+    sizes = (args.folder, args.batches, args.prompt_len, args.new_tokens, args.repeats)
+    result = run_maxtext(*sizes, cache_dir=args.cache_dir, first_call_only=args.role == WARM)
   else:
     result = _WORKERS[args.role](args.folder, args.batches, args.prompt_len, args.new_tokens, args.repeats)
   print(RESULT_MARK + json.dumps(result), flush=True)
@@ -377,8 +405,13 @@ def _worker_main(argv: Sequence[str]) -> int:
 
 
 def _env() -> dict[str, str]:
-  """This environment, with the repository's src/ first on PYTHONPATH (a fresh checkout runs without install)."""
+  """This environment, with the repository's src/ first on PYTHONPATH (a fresh checkout runs without install).
+
+  A compilation cache folder set for JAX is dropped: the maxtext workers get their own (empty for the cold start).
+  """
   env = dict(os.environ)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env.pop("JAX_ENABLE_COMPILATION_CACHE", None)
   src = str(Path(__file__).resolve().parents[1] / "src")
   env["PYTHONPATH"] = os.pathsep.join([src] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
   env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -433,6 +466,7 @@ def summarize(
     if "error" in result:
       rows.append({"model": model, "peer": peer, "batch": None, "error": result["error"]})
       continue
+    warm = result.get("warm", {})
     for batch, stats in result["batches"].items():
       step_s = stats["generate_s"] / stats.get("steps", len(stats["tokens"][0]))
       ideal_s = active_weight_bytes(checkpoint["tensor_bytes"], hf_config, int(batch)) / (gb_per_s * 1e9)
@@ -451,6 +485,13 @@ def summarize(
               "same_tokens_as_transformers": _matches(stats["tokens"], reference.get(batch, {}).get("tokens")),
           }
       )
+      if peer == "maxtext":
+        # The warm start: a second process over the compilation cache the first one filled.
+        warm_stats = warm.get("batches", {}).get(batch, {})
+        rows[-1]["warm_error"] = warm.get("error")
+        rows[-1]["warm_load_s"] = warm.get("load_s")
+        rows[-1]["warm_first_call_s"] = warm_stats.get("first_call_s")
+        rows[-1]["warm_same_tokens"] = _matches(warm_stats.get("tokens"), stats["tokens"])
   best: dict[tuple[str, int], float] = {}
   for row in rows:
     if row.get("batch") is not None and row["peer"] != "maxtext":
@@ -466,7 +507,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
   """Human-readable table of `summarize` rows."""
   header = (
       f"{'model':<11} {'peer':<12} {'batch':>5} {'tok/s':>8} {'vs best':>7} {'load_s':>7} {'first_s':>7} "
-      f"{'recomp':>6} {'roofline':>8} {'step_ms':>7} {'step_rf':>7} {'same':>5}"
+      f"{'wload_s':>7} {'wfirst_s':>8} {'recomp':>6} {'roofline':>8} {'step_ms':>7} {'step_rf':>7} {'same':>5}"
   )
   lines = [header, "-" * len(header)]
   for row in rows:
@@ -479,11 +520,16 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     step_s, step_share = row.get("decode_step_s"), row.get("decode_step_roofline_share")
     step_ms = "-" if step_s is None else f"{step_s * 1e3:.2f}"
     step_rf = "-" if step_share is None else f"{step_share:.2f}"
+    warm_load, warm_first = row.get("warm_load_s"), row.get("warm_first_call_s")
+    warm_load = "-" if warm_load is None else f"{warm_load:.2f}"
+    warm_first = "-" if warm_first is None else f"{warm_first:.2f}"
     lines.append(
         f"{row['model']:<11} {row['peer']:<12} {row['batch']:>5} {row['tokens_per_s']:>8.1f} {ratio:>7} "
-        f"{row['load_s']:>7.2f} {row['first_call_s']:>7.2f} {recomp:>6} {row['roofline_share']:>8.2f} {step_ms:>7} "
-        f"{step_rf:>7} {same:>5}"
+        f"{row['load_s']:>7.2f} {row['first_call_s']:>7.2f} {warm_load:>7} {warm_first:>8} {recomp:>6} "
+        f"{row['roofline_share']:>8.2f} {step_ms:>7} {step_rf:>7} {same:>5}"
     )
+    if row.get("warm_error"):
+      lines.append(f"{row['model']:<11} {'maxtext':<12} warm start not run: {row['warm_error']}")
   return "\n".join(lines)
 
 
@@ -538,10 +584,18 @@ def main(argv: Sequence[str] | None = None) -> int:
       hf_config = json.loads(Path(folder, "config.json").read_text(encoding="utf-8"))
       run_args = ["--folder", folder, "--batches", *map(str, batches), "--prompt-len", str(prompt_len)]
       run_args += ["--new-tokens", str(new_tokens), "--repeats", str(repeats)]
+      cache_args = ["--cache-dir", os.path.join(tmp, f"{model}-compilation-cache")]  # empty: a cold start
       results = {
-          peer: run_worker(args.vllm_python if peer == "vllm" else sys.executable, peer, run_args, args.timeout)
+          peer: run_worker(
+              args.vllm_python if peer == "vllm" else sys.executable,
+              peer,
+              run_args + (cache_args if peer == "maxtext" else []),
+              args.timeout,
+          )
           for peer in peers
       }
+      if "maxtext" in results and "error" not in results["maxtext"]:
+        results["maxtext"]["warm"] = run_worker(sys.executable, WARM, run_args + cache_args, args.timeout)
       rows += [
           dict(row, params=checkpoint["params"])
           for row in summarize(model, checkpoint, hf_config, results, bandwidth["gb_per_s"])

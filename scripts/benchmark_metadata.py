@@ -109,6 +109,7 @@ def decode_step_inputs(num_layers: int, num_requests: int, quick: bool) -> tuple
       block_size=16,
       num_kv_blocks=64,
       max_num_seqs=max(8, num_requests),
+      compilation_cache_dir="",  # compile times are measured: no program comes from an earlier run's folder
   )
   engine = LLMEngine(cfg)
   for i in range(num_requests):

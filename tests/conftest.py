@@ -12,7 +12,8 @@ import pathlib
 # recompile. The size limit turns on JAX's file lock, which parallel workers need; it also makes every write scan
 # the whole folder to evict, so only compiles of at least a second (JAX's default) are kept: model steps, not the
 # thousands of single ops that eager code compiles (keeping those too made the suite's later tests 6x slower).
-# Set MAXTEXT_TEST_COMPILATION_CACHE to another folder, or to "off".
+# Set MAXTEXT_TEST_COMPILATION_CACHE to another folder, or to "off" (then nothing is cached, not even in the
+# engine's own folder, the config key compilation_cache_dir).
 _COMPILATION_CACHE = os.environ.get("MAXTEXT_TEST_COMPILATION_CACHE") or os.path.join(
     os.path.expanduser("~"), ".cache", "maxtext", "jax-test-compilation-cache"
 )
@@ -20,6 +21,8 @@ if _COMPILATION_CACHE != "off":
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILATION_CACHE)
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
   os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+else:
+  os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
 import jax  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position

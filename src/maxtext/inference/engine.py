@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from maxtext.inference import compilation_cache
 from maxtext.inference.batch import BatchInputs, build_batch, next_power_of_two
 from maxtext.inference.kv_cache_manager import KVCacheManager, max_num_reqs
 from maxtext.inference.request import Request
@@ -107,14 +108,17 @@ class LLMEngine:
   """Runs requests to completion with continuous batching over the adapter, like tpu-inference's runner.
 
   The device mesh is `ici_data_parallelism x ici_tensor_parallelism x ici_expert_parallelism`; parameters and
-  caches are sharded on it as the runner shards them.
+  caches are sharded on it as the runner shards them. Compiled step programs are kept in the config's
+  `compilation_cache_dir` for later runs (`compilation_cache.configure`).
 
   Raises:
     ValueError: the mesh asks for more devices than JAX has.
+    ConfigError: `compilation_cache_dir` is not a folder that can be created and written.
   """
 
   def __init__(self, cfg: ml_collections.FrozenConfigDict, *, eos_token_id: int | None = None):
     self.cfg = cfg
+    self.compilation_cache_dir = compilation_cache.configure(cfg.compilation_cache_dir)
     self.mesh = sharding.make_mesh(cfg)
     self.model = MaxTextForCausalLM(vllm_config_from_maxtext(cfg), jax.random.key(cfg.init_seed), self.mesh)
     if not self.model.is_dummy:

@@ -39,6 +39,9 @@ def test_quick_run_reports_every_model_peer_and_batch_with_transformers_tokens(c
     assert row["same_tokens_as_transformers"] == 1.0, row
     if row["peer"] == "maxtext":
       assert row["recompilations"] == 0 and row["ratio_to_best_peer"] > 0
+      # The warm start: a second process over the first one's compilation cache, the same tokens.
+      assert row["warm_error"] is None and row["warm_load_s"] > 0 and row["warm_first_call_s"] > 0
+      assert row["warm_same_tokens"] == 1.0
       # 4 new tokens: 3 pure-decode steps per call; a decode step is faster than a whole call per token.
       assert 0 < row["decode_step_s"] and row["decode_step_roofline_share"] > row["roofline_share"] * 0.5
     else:
@@ -79,20 +82,53 @@ def test_table_marks_peers_that_did_not_run():
           "decode_step_roofline_share": 0.5,
           "same_tokens_as_transformers": 1.0,
           "ratio_to_best_peer": 0.5,
+          "warm_load_s": 0.5,
+          "warm_first_call_s": 0.75,
+      },
+      {
+          "model": "llama",
+          "peer": "maxtext",
+          "batch": 8,
+          "tokens_per_s": 50.0,
+          "load_s": 1.0,
+          "first_call_s": 2.0,
+          "recompilations": 0,
+          "roofline_share": 0.25,
+          "same_tokens_as_transformers": 1.0,
+          "warm_error": "exit status 1: no cache",
       },
       {"model": "llama", "peer": "vllm", "batch": None, "error": "exit status 1: boom"},
+      {
+          "model": "llama",
+          "peer": "transformers",
+          "batch": 1,
+          "tokens_per_s": 60.0,
+          "load_s": 1.0,
+          "first_call_s": 2.0,
+          "recompilations": None,
+          "roofline_share": 0.3,
+          "same_tokens_as_transformers": 1.0,
+      },
   ]
   lines = benchmark.format_table(rows).splitlines()
-  assert lines[0].split() == ["model", "peer", "batch", "tok/s", "vs", "best", "load_s", "first_s", "recomp"] + [
+  assert lines[0].split() == ["model", "peer", "batch", "tok/s", "vs", "best", "load_s", "first_s", "wload_s"] + [
+      "wfirst_s",
+      "recomp",
       "roofline",
       "step_ms",
       "step_rf",
       "same",
   ]
-  assert lines[2].split() == ["llama", "maxtext", "1", "50.0", "0.50", "1.00", "2.00", "0", "0.25", "12.50", "0.50"] + [
-      "1.00"
+  assert lines[2].split() == ["llama", "maxtext", "1", "50.0", "0.50", "1.00", "2.00", "0.50", "0.75", "0"] + [
+      "0.25",
+      "12.50",
+      "0.50",
+      "1.00",
   ]
-  assert lines[3].split()[:4] == ["llama", "vllm", "not", "run:"] and lines[3].endswith("boom")
+  assert lines[3].split()[:9] == ["llama", "maxtext", "8", "50.0", "-", "1.00", "2.00", "-", "-"]
+  assert lines[4].split() == ["llama", "maxtext", "warm", "start", "not", "run:", "exit", "status", "1:", "no", "cache"]
+  assert lines[5].split()[:4] == ["llama", "vllm", "not", "run:"] and lines[5].endswith("boom")
+  assert lines[6].split()[:9] == ["llama", "transformers", "1", "60.0", "-", "1.00", "2.00", "-", "-"]
 
 
 def test_decode_step_timer_keeps_only_steps_that_sample_every_scheduled_token():

@@ -1,5 +1,6 @@
 """Tests for the token-to-request mapping shared by the ragged kernels."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -92,3 +93,22 @@ def test_has_initial_state_needs_a_restored_read_slot():
   np.testing.assert_array_equal(np.asarray(ragged_batch.has_initial_state(layout, seq_lens)), [True, False, True])
   read = jnp.asarray([7, 3, 0], np.int32)
   np.testing.assert_array_equal(np.asarray(ragged_batch.has_initial_state(layout, seq_lens, read)), [True, False, False])
+
+
+def test_materialize_returns_its_values_and_stays_a_separate_computation():
+  """The values pass through unchanged, and the compiled program keeps the conditional that stops XLA from fusing
+  (and recomputing) them into their consumers; a negative anchor (malformed metadata) yields zeros."""
+  values = (jnp.array([3, 1, 2], jnp.int32), jnp.array([True, False, True]))
+
+  def use(values, anchor):
+    ids, keep = ragged_batch.materialize(values, anchor)
+    return jnp.where(keep[:, None, None], jnp.ones((3, 64, 64))[ids % 3], 0.0), ids, keep
+
+  fn = jax.jit(use)
+  _, ids, keep = fn(values, jnp.array([2, 2, 5], jnp.int32))
+  np.testing.assert_array_equal(ids, [3, 1, 2])
+  np.testing.assert_array_equal(keep, [True, False, True])
+  _, ids, keep = fn(values, jnp.array([-1, 0, 0], jnp.int32))
+  np.testing.assert_array_equal(ids, [0, 0, 0])
+  assert not keep.any()
+  assert "conditional" in fn.lower(values, jnp.array([2, 2, 5], jnp.int32)).compile().as_text()

@@ -127,6 +127,24 @@ def has_initial_state(layout: TokenLayout, seq_lens: jax.Array, read_state_indic
   return has_state
 
 
+def set_rows(target: jax.Array, index: jax.Array, updates: jax.Array) -> jax.Array:
+  """`target.at[index].set(updates, mode="drop")`: rows `index[i]` of `target` become `updates[i]`, in place.
+
+  Out-of-range entries of `index` write nothing. XLA rewrites a one-row dropping scatter as a select around a
+  dynamic-update-slice, which copies all of `target`; for one row a second, always dropped row (zeros) is added,
+  which keeps it a scatter that updates a donated `target` in place.
+
+  Args:
+    target: `[N, ...]`.
+    index: `[n]` int rows.
+    updates: `[n, ...]` matching `target`'s trailing axes.
+  """
+  if index.shape[0] == 1:
+    index = jnp.concatenate([index, jnp.full((1,), target.shape[0], index.dtype)])
+    updates = jnp.pad(updates, ((0, 1),) + ((0, 0),) * (updates.ndim - 1))
+  return target.at[index].set(updates, mode="drop")
+
+
 def materialize(values: Any, anchor: jax.Array) -> Any:
   """`values` (a pytree of arrays), computed once into buffers of their own before any op that reads them.
 
@@ -204,13 +222,7 @@ def ragged_state_scan(
     # Every token is its request's first and last: all of them update at once from their initial states, read
     # straight from the slots (T rows, not one per request row).
     token_states, out = jax.vmap(update)(initial_states(request_ids), per_token)
-    slots = write_slot
-    if num_tokens == 1:
-      # XLA rewrites a one-row dropping scatter as a select around a dynamic-update-slice, which copies every
-      # slot; a second, always dropped row keeps it a scatter, which updates the donated states in place.
-      slots = jnp.concatenate([slots, jnp.full((1,), num_slots, slots.dtype)])
-      token_states = jnp.pad(token_states, ((0, 1),) + ((0, 0),) * (token_states.ndim - 1))
-    return mask_rows(out), states.at[slots].set(token_states, mode="drop")
+    return mask_rows(out), set_rows(states, write_slot, token_states)
 
   def scan_tokens(states):
     init_states = initial_states(jnp.arange(has_init.shape[0]))  # [S, *S]

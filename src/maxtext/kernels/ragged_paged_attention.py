@@ -203,12 +203,7 @@ def ragged_paged_attention(
     pages = page_indices[request_ids * pages_per_seq + page_slot]
     flat_rows = jnp.where(active, pages * block_size + positions % block_size, num_blocks * block_size)
     flat_cache = kv_cache.reshape(num_blocks * block_size, *kv_cache.shape[2:])
-    if num_tokens == 1:
-      # XLA rewrites a one-row dropping scatter as a select around a dynamic-update-slice, which copies the whole
-      # cache; a second, always dropped row keeps it a scatter, which updates the donated cache in place.
-      flat_rows = jnp.concatenate([flat_rows, jnp.full((1,), num_blocks * block_size, flat_rows.dtype)])
-      rows = jnp.concatenate([rows, rows])
-    new_cache = flat_cache.at[flat_rows].set(rows, mode="drop").reshape(kv_cache.shape)
+    new_cache = ragged_batch.set_rows(flat_cache, flat_rows, rows).reshape(kv_cache.shape)
 
   out = _attend(
       q,

@@ -112,3 +112,15 @@ def test_materialize_returns_its_values_and_stays_a_separate_computation():
   np.testing.assert_array_equal(ids, [0, 0, 0])
   assert not keep.any()
   assert "conditional" in fn.lower(values, jnp.array([2, 2, 5], jnp.int32)).compile().as_text()
+
+
+@pytest.mark.parametrize("rows", [[2], [4], [1, 4, 0]])
+def test_set_rows_writes_in_range_rows_in_place(rows):
+  """Like `.at[].set(mode="drop")`, and a single row stays a scatter (no copy of the target via a
+  dynamic-update-slice)."""
+  target = jnp.arange(12.0).reshape(4, 3)
+  index = jnp.array(rows, jnp.int32)
+  updates = -jnp.ones((len(rows), 3))
+  np.testing.assert_array_equal(ragged_batch.set_rows(target, index, updates), target.at[index].set(updates, mode="drop"))
+  hlo = jax.jit(ragged_batch.set_rows, donate_argnums=0).lower(target, index, updates).compile().as_text()
+  assert "scatter" in hlo and "dynamic-update-slice" not in hlo

@@ -371,7 +371,7 @@ def run_vllm(folder: str, batches: Sequence[int], prompt_len: int, new_tokens: i
 
 
 # pylint: enable=import-outside-toplevel
-_WORKERS = {"maxtext": run_maxtext, "transformers": run_transformers, "vllm": run_vllm}
+_WORKERS = {"transformers": run_transformers, "vllm": run_vllm}  # maxtext's workers take their cache folder too
 WARM = "maxtext-warm"  # a second maxtext process over the first one's compilation cache
 
 
@@ -503,6 +503,11 @@ def summarize(
   return rows
 
 
+def _cell(value: float | None, scale: float = 1.0) -> str:
+  """A table cell: `value * scale` with two decimals, or "-" when there is no value."""
+  return "-" if value is None else f"{value * scale:.2f}"
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
   """Human-readable table of `summarize` rows."""
   header = (
@@ -514,15 +519,12 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     if row.get("batch") is None:
       lines.append(f"{row['model']:<11} {row['peer']:<12} not run: {row['error']}")
       continue
-    ratio = f"{row['ratio_to_best_peer']:.2f}" if "ratio_to_best_peer" in row else "-"
+    ratio = _cell(row.get("ratio_to_best_peer"))
     recomp = "-" if row["recompilations"] is None else str(row["recompilations"])
-    same = "-" if row["same_tokens_as_transformers"] is None else f"{row['same_tokens_as_transformers']:.2f}"
-    step_s, step_share = row.get("decode_step_s"), row.get("decode_step_roofline_share")
-    step_ms = "-" if step_s is None else f"{step_s * 1e3:.2f}"
-    step_rf = "-" if step_share is None else f"{step_share:.2f}"
-    warm_load, warm_first = row.get("warm_load_s"), row.get("warm_first_call_s")
-    warm_load = "-" if warm_load is None else f"{warm_load:.2f}"
-    warm_first = "-" if warm_first is None else f"{warm_first:.2f}"
+    same = _cell(row["same_tokens_as_transformers"])
+    step_ms = _cell(row.get("decode_step_s"), scale=1e3)
+    step_rf = _cell(row.get("decode_step_roofline_share"))
+    warm_load, warm_first = _cell(row.get("warm_load_s")), _cell(row.get("warm_first_call_s"))
     lines.append(
         f"{row['model']:<11} {row['peer']:<12} {row['batch']:>5} {row['tokens_per_s']:>8.1f} {ratio:>7} "
         f"{row['load_s']:>7.2f} {row['first_call_s']:>7.2f} {warm_load:>7} {warm_first:>8} {recomp:>6} "

@@ -29,6 +29,7 @@ from maxtext.inference.scheduler import Scheduler
 from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
+from maxtext.kernels import cpu_gemm
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
 from maxtext.models import sharding
 
@@ -143,16 +144,22 @@ class LLMEngine:
     def merged(leaves):
       return nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, leaves))
 
+    # The small-batch matmul kernel on a single CPU device (it does not partition across devices).
+    self.use_cpu_gemm = bool(cfg.cpu_small_matmul) and self.mesh.size == 1 and jax.default_backend() == "cpu"
+    self.use_cpu_gemm = self.use_cpu_gemm and cpu_gemm.load()
+
     def step(leaves, kv_caches, input_ids, attention_metadata, input_positions, layer_map):
       self.stats.step_traces += 1  # Python side effect: runs once per trace, i.e. per compilation.
       model = merged(leaves)
-      kv_caches, hidden, _, _ = model(
-          kv_caches, input_ids, attention_metadata, None, input_positions, layer_map, None, None, True, True
-      )
+      with cpu_gemm.enabled(self.use_cpu_gemm):
+        kv_caches, hidden, _, _ = model(
+            kv_caches, input_ids, attention_metadata, None, input_positions, layer_map, None, None, True, True
+        )
       return kv_caches, hidden
 
     def logits(leaves, hidden, logits_indices):
-      return merged(leaves).compute_logits(hidden[logits_indices])
+      with cpu_gemm.enabled(self.use_cpu_gemm):
+        return merged(leaves).compute_logits(hidden[logits_indices])
 
     def greedy(leaves, hidden, logits_indices):
       rows = logits(leaves, hidden, logits_indices)

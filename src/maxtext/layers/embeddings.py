@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtext.kernels import cpu_gemm
 from maxtext.layers.initializers import draw_key, fan_in_uniform
 
 
@@ -39,7 +40,11 @@ def attend(embedding: jax.Array, x: jax.Array, *, dtype: jnp.dtype) -> jax.Array
   Returns:
     `[..., V]` logits in `dtype`.
   """
-  return jnp.einsum("...d,vd->...v", x.astype(dtype), embedding.astype(dtype))
+  x, embedding = x.astype(dtype), embedding.astype(dtype)
+  rows = math.prod(x.shape[:-1])
+  if cpu_gemm.applies(rows, x.dtype, embedding.dtype):
+    return cpu_gemm.matmul_transposed(x.reshape(rows, x.shape[-1]), embedding).reshape(x.shape[:-1] + (-1,))
+  return jnp.einsum("...d,vd->...v", x, embedding)
 
 
 class Embed(nnx.Module):

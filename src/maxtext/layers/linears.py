@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maxtext.kernels import cpu_gemm
 from maxtext.layers.initializers import draw_key, fan_in_uniform
 
 
@@ -35,9 +36,17 @@ def dense_general(
     `[..., *out_shape]` in `dtype`.
   """
   x = x.astype(dtype)
-  contract_x = tuple(range(x.ndim - num_in_axes, x.ndim))
-  contract_k = tuple(range(num_in_axes))
-  y = jax.lax.dot_general(x, kernel.astype(dtype), ((contract_x, contract_k), ((), ())))
+  kernel = kernel.astype(dtype)
+  batch_shape, in_shape = x.shape[: x.ndim - num_in_axes], x.shape[x.ndim - num_in_axes :]
+  rows, size_in = math.prod(batch_shape), math.prod(in_shape)
+  if cpu_gemm.applies(rows, x.dtype, kernel.dtype):
+    out_shape = kernel.shape[num_in_axes:]
+    flat = cpu_gemm.matmul(x.reshape(rows, size_in), kernel.reshape(size_in, math.prod(out_shape)))
+    y = flat.reshape(batch_shape + out_shape)
+  else:
+    contract_x = tuple(range(x.ndim - num_in_axes, x.ndim))
+    contract_k = tuple(range(num_in_axes))
+    y = jax.lax.dot_general(x, kernel, ((contract_x, contract_k), ((), ())))
   if bias is not None:
     y = y + bias.astype(dtype)
   return y

@@ -12,6 +12,7 @@ import pytest
 from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.inference.engine import LLMEngine, check_finite_rows, greedy_token_ids, sampling_logits_indices
+from maxtext.kernels import cpu_gemm
 
 # Tiny shapes: one token bucket (16) and one request bucket (8), so each engine compiles its step once (and a
 # request's solo run and its batched run use the same matmul shapes, hence the same rounding).
@@ -231,3 +232,24 @@ def test_state_slot_zeroing_compiles_once_when_the_engine_starts():
   again = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3))  # the freed slots are zeroed and reused
   assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
   assert zero_rows._cache_size() == 1  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("mesh", [{}, {"ici_tensor_parallelism": 2}])
+def test_small_batch_matmul_kernel_serves_single_cpu_device_decodes_with_the_same_tokens(monkeypatch, mesh):
+  """Decode steps of 2-8 requests take the kernel on one CPU device (not across devices) and keep the tokens."""
+  traced = []
+  real = cpu_gemm.matmul
+  monkeypatch.setattr(cpu_gemm, "matmul", lambda x, w: traced.append(x.shape) or real(x, w))
+  prompts = _prompts(5, [5, 9, 3])
+  params = SamplingParams(max_tokens=6, temperature=0.0)
+  tokens = {}
+  for on in (True, False):
+    traced.clear()
+    engine = _engine("llama-tiny", cpu_small_matmul=on, min_token_bucket=1, **mesh)
+    expected = on and not mesh and cpu_gemm.unsupported_reason() is None
+    assert engine.use_cpu_gemm is expected
+    ids = engine.add_requests([(p, params) for p in prompts])
+    done = _run(engine)
+    tokens[on] = [done[i].output_token_ids for i in ids]
+    assert bool(traced) is expected and all(2 <= rows <= 8 for rows, _ in traced)
+  assert tokens[True] == tokens[False]

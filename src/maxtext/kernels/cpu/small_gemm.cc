@@ -1,0 +1,270 @@
+// Small-batch fp32 matrix products for XLA on x86-64 CPUs with AVX2 and FMA, as XLA FFI handlers.
+//
+// A decode step multiplies a few rows (one per request) by every weight matrix. XLA's CPU dot packs the weight
+// matrix on every call, so at 2 to 8 rows it runs far below both the memory bandwidth and the FMA throughput. These
+// kernels read each weight once, in place, with the rows of `x` in the 8 lanes of a vector register:
+//
+//   maxtext_small_gemm_nn: y[M, N] = x[M, K] @ w[K, N]    (w row-major, as the dense layers store their kernels)
+//   maxtext_small_gemm_nt: y[M, N] = x[M, K] @ w[N, K]^T  (w row-major, as a tied output head stores the table)
+//
+// with 1 <= M <= 8. Columns are cut into chunks that the calling thread and XLA's intra-op thread pool claim
+// from a shared counter, so a call never waits for a task that has not started: helpers that start late find no
+// chunk left. The sums run over k in increasing order within each of 8 interleaved partial sums, so results differ
+// from XLA's dot by rounding only (the Python tests bound the difference against a float64 product).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 8;         // rows of x per vector register
+constexpr int64_t kMinChunkNN = 256;   // columns per task in the NN kernel: at least this many (multiple of 8),
+constexpr int64_t kMaxChunkNN = 2048;  // at most this many, about a quarter of the columns in between
+constexpr int64_t kChunkNT = 512;  // columns (rows of w) per task in the NT kernel (multiple of 8)
+
+// Runs `body(chunk)` for chunk in [0, num_chunks) on the calling thread and the pool's threads.
+template <typename Body>
+void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, Body body) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto work = [shared, num_chunks, body]() {
+    for (int64_t c = shared->next.fetch_add(1); c < num_chunks; c = shared->next.fetch_add(1)) {
+      body(c);
+      shared->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), num_chunks - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
+  work();
+  while (shared->done.load(std::memory_order_acquire) < num_chunks) std::this_thread::yield();
+}
+
+// x [m, k] transposed to [k][8] (row i of x in lane i), zero-padded to 8 lanes, 32-byte aligned.
+class AlignedRows {
+ public:
+  AlignedRows(const float* x, int64_t m, int64_t k) : storage_(k * kLanes + kLanes, 0.0f) {
+    data_ = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage_.data()) + 31) & ~uintptr_t{31});
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < k; ++j) data_[j * kLanes + i] = x[i * k + j];
+    }
+  }
+  const float* data() const { return data_; }
+
+ private:
+  std::vector<float> storage_;
+  float* data_;
+};
+
+// Columns [n0, n1) of y = x @ w, w [K, N]; xt [K][8] holds x transposed, zero-padded to 8 rows.
+void NNChunk(const float* xt, const float* w, float* y, int64_t m, int64_t k_size, int64_t n_size, int64_t n0,
+             int64_t n1) {
+  alignas(32) float acc_buf[kMaxChunkNN * kLanes];
+  const int64_t width = n1 - n0;
+  std::memset(acc_buf, 0, sizeof(float) * width * kLanes);
+  const int64_t width8 = width / 8 * 8;
+  int64_t k0 = 0;
+  for (; k0 + 8 <= k_size; k0 += 8) {
+    const __m256 x0 = _mm256_load_ps(xt + (k0 + 0) * kLanes), x1 = _mm256_load_ps(xt + (k0 + 1) * kLanes);
+    const __m256 x2 = _mm256_load_ps(xt + (k0 + 2) * kLanes), x3 = _mm256_load_ps(xt + (k0 + 3) * kLanes);
+    const __m256 x4 = _mm256_load_ps(xt + (k0 + 4) * kLanes), x5 = _mm256_load_ps(xt + (k0 + 5) * kLanes);
+    const __m256 x6 = _mm256_load_ps(xt + (k0 + 6) * kLanes), x7 = _mm256_load_ps(xt + (k0 + 7) * kLanes);
+    const float* wk = w + k0 * n_size + n0;
+    // Eight columns at a time: eight independent accumulators hide the FMA latency.
+    for (int64_t j = 0; j < width8; j += 8) {
+      float* a = acc_buf + j * kLanes;
+      __m256 a0 = _mm256_load_ps(a), a1 = _mm256_load_ps(a + 8), a2 = _mm256_load_ps(a + 16);
+      __m256 a3 = _mm256_load_ps(a + 24), a4 = _mm256_load_ps(a + 32), a5 = _mm256_load_ps(a + 40);
+      __m256 a6 = _mm256_load_ps(a + 48), a7 = _mm256_load_ps(a + 56);
+#define MAXTEXT_NN_ROW(r, xr)                                  \
+  {                                                            \
+    const float* wr = wk + (r) * n_size + j;                   \
+    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr + 0), xr, a0); \
+    a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr + 1), xr, a1); \
+    a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr + 2), xr, a2); \
+    a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr + 3), xr, a3); \
+    a4 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr + 4), xr, a4); \
+    a5 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr + 5), xr, a5); \
+    a6 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr + 6), xr, a6); \
+    a7 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr + 7), xr, a7); \
+  }
+      MAXTEXT_NN_ROW(0, x0)
+      MAXTEXT_NN_ROW(1, x1)
+      MAXTEXT_NN_ROW(2, x2)
+      MAXTEXT_NN_ROW(3, x3)
+      MAXTEXT_NN_ROW(4, x4)
+      MAXTEXT_NN_ROW(5, x5)
+      MAXTEXT_NN_ROW(6, x6)
+      MAXTEXT_NN_ROW(7, x7)
+#undef MAXTEXT_NN_ROW
+      _mm256_store_ps(a, a0);
+      _mm256_store_ps(a + 8, a1);
+      _mm256_store_ps(a + 16, a2);
+      _mm256_store_ps(a + 24, a3);
+      _mm256_store_ps(a + 32, a4);
+      _mm256_store_ps(a + 40, a5);
+      _mm256_store_ps(a + 48, a6);
+      _mm256_store_ps(a + 56, a7);
+    }
+    for (int64_t j = width8; j < width; ++j) {
+      __m256 a = _mm256_load_ps(acc_buf + j * kLanes);
+      for (int r = 0; r < 8; ++r) {
+        a = _mm256_fmadd_ps(_mm256_broadcast_ss(wk + r * n_size + j), _mm256_load_ps(xt + (k0 + r) * kLanes), a);
+      }
+      _mm256_store_ps(acc_buf + j * kLanes, a);
+    }
+  }
+  for (; k0 < k_size; ++k0) {
+    const __m256 xr = _mm256_load_ps(xt + k0 * kLanes);
+    const float* wk = w + k0 * n_size + n0;
+    for (int64_t j = 0; j < width; ++j) {
+      float* a = acc_buf + j * kLanes;
+      _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_broadcast_ss(wk + j), xr, _mm256_load_ps(a)));
+    }
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    float* yi = y + i * n_size + n0;
+    for (int64_t j = 0; j < width; ++j) yi[j] = acc_buf[j * kLanes + i];
+  }
+}
+
+// Transposes the 8x8 block held in r0..r7 (row i in ri) in place.
+inline void Transpose8x8(__m256& r0, __m256& r1, __m256& r2, __m256& r3, __m256& r4, __m256& r5, __m256& r6,
+                         __m256& r7) {
+  const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r0 = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r1 = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r2 = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r3 = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r4 = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r5 = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r6 = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r7 = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// Columns [n0, n1) of y = x @ w^T, w [N, K]; xt [K][8] holds x transposed, zero-padded to 8 rows. Eight rows of w
+// at a time: each gives one accumulator over the 8 rows of x, and an 8x8 transpose turns them into 8 columns of y.
+void NTChunk(const float* xt, const float* w, float* y, int64_t m, int64_t k_size, int64_t n_size, int64_t n0,
+             int64_t n1) {
+  alignas(32) float block[kLanes * kLanes];
+  for (int64_t n = n0; n < n1; n += 8) {
+    const int64_t rows = std::min<int64_t>(8, n1 - n);
+    const float* wr[8];
+    for (int r = 0; r < 8; ++r) wr[r] = w + (n + std::min<int64_t>(r, rows - 1)) * k_size;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t k = 0; k < k_size; ++k) {
+      const __m256 xk = _mm256_load_ps(xt + k * kLanes);
+      a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr[0] + k), xk, a0);
+      a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr[1] + k), xk, a1);
+      a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr[2] + k), xk, a2);
+      a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr[3] + k), xk, a3);
+      a4 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr[4] + k), xk, a4);
+      a5 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr[5] + k), xk, a5);
+      a6 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr[6] + k), xk, a6);
+      a7 = _mm256_fmadd_ps(_mm256_broadcast_ss(wr[7] + k), xk, a7);
+    }
+    Transpose8x8(a0, a1, a2, a3, a4, a5, a6, a7);  // now a_i holds row i of x against the 8 rows of w
+    if (rows == 8) {
+      __m256* out[8] = {&a0, &a1, &a2, &a3, &a4, &a5, &a6, &a7};
+      for (int64_t i = 0; i < m; ++i) _mm256_storeu_ps(y + i * n_size + n, *out[i]);
+    } else {
+      _mm256_store_ps(block + 0, a0);
+      _mm256_store_ps(block + 8, a1);
+      _mm256_store_ps(block + 16, a2);
+      _mm256_store_ps(block + 24, a3);
+      _mm256_store_ps(block + 32, a4);
+      _mm256_store_ps(block + 40, a5);
+      _mm256_store_ps(block + 48, a6);
+      _mm256_store_ps(block + 56, a7);
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t r = 0; r < rows; ++r) y[i * n_size + n + r] = block[i * kLanes + r];
+      }
+    }
+  }
+}
+
+ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w, ffi::ResultBuffer<ffi::F32>& y,
+                       bool transposed, int64_t* m, int64_t* k, int64_t* n) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("small_gemm: x, w and y must be 2-D");
+  }
+  *m = xd[0];
+  *k = xd[1];
+  *n = transposed ? wd[0] : wd[1];
+  const int64_t wk = transposed ? wd[1] : wd[0];
+  if (*m < 1 || *m > kLanes) return ffi::Error::InvalidArgument("small_gemm: x must have 1 to 8 rows");
+  if (wk != *k || yd[0] != *m || yd[1] != *n) {
+    return ffi::Error::InvalidArgument("small_gemm: the shapes of x, w and y do not match");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error SmallGemmNN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  int64_t m, k, n;
+  if (ffi::Error error = CheckShapes(x, w, y, false, &m, &k, &n); error.failure()) return error;
+  auto xt = std::make_shared<AlignedRows>(x.typed_data(), m, k);
+  const float* wd = w.typed_data();
+  float* yd = y->typed_data();
+  // Wide chunks keep each weight row's read long enough for the hardware prefetcher to follow it.
+  const int64_t width = std::clamp<int64_t>((n / 4 + 7) / 8 * 8, kMinChunkNN, kMaxChunkNN);
+  const int64_t chunks = (n + width - 1) / width;
+  ParallelChunks(pool, chunks, [xt, wd, yd, m, k, n, width](int64_t c) {
+    NNChunk(xt->data(), wd, yd, m, k, n, c * width, std::min(n, (c + 1) * width));
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error SmallGemmNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  int64_t m, k, n;
+  if (ffi::Error error = CheckShapes(x, w, y, true, &m, &k, &n); error.failure()) return error;
+  auto xt = std::make_shared<AlignedRows>(x.typed_data(), m, k);
+  const float* wd = w.typed_data();
+  float* yd = y->typed_data();
+  const int64_t chunks = (n + kChunkNT - 1) / kChunkNT;
+  ParallelChunks(pool, chunks, [xt, wd, yd, m, k, n](int64_t c) {
+    NTChunk(xt->data(), wd, yd, m, k, n, c * kChunkNT, std::min(n, (c + 1) * kChunkNT));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNN, SmallGemmNN,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNT, SmallGemmNT,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

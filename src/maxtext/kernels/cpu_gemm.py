@@ -1,0 +1,202 @@
+"""Small-batch fp32 matrix products on x86-64 CPUs: an AVX2 kernel called from XLA programs through XLA's FFI.
+
+A decode step multiplies one row per request by every weight matrix. XLA's CPU dot packs the weight matrix on every
+call, so with 2 to 8 rows it reads weights at well under the memory bandwidth (a single row takes its
+matrix-vector path, which does not pack and is left to XLA). `cpu/small_gemm.cc` reads each weight once, in place,
+with the rows in the lanes of a vector register, and splits the columns over XLA's intra-op threads.
+
+The kernel is C++ shipped as source: `load()` compiles it once per source, JAX version and compiler into
+`~/.cache/maxtext/kernels/` (or `$MAXTEXT_KERNEL_CACHE`) with the system C++ compiler and JAX's FFI headers, then
+registers its two handlers with XLA. Without a compiler, on another CPU, or when the build fails, `load()` says why
+once in the log and XLA's dot is used: the kernel is an optimisation, never a requirement.
+
+Model code calls `matmul` / `matmul_transposed` only inside `enabled()` (the engine turns it on while it traces its
+step programs on a single CPU device); everywhere else, and on other backends, the products stay XLA dots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu") / "small_gemm.cc"
+MIN_ROWS, MAX_ROWS = 2, 8  # one row stays on XLA's matrix-vector path, which already reads at the memory bandwidth
+_TARGETS = {"nn": ("maxtext_small_gemm_nn", "MaxtextSmallGemmNN"), "nt": ("maxtext_small_gemm_nt", "MaxtextSmallGemmNT")}
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+_ENABLED = contextvars.ContextVar("maxtext_cpu_gemm_enabled", default=False)
+
+
+def cache_dir() -> Path:
+  """Where compiled kernels are kept: `$MAXTEXT_KERNEL_CACHE`, else `~/.cache/maxtext/kernels`."""
+  return Path(os.environ.get("MAXTEXT_KERNEL_CACHE") or Path.home() / ".cache" / "maxtext" / "kernels")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+  """The CPU's feature flags from `/proc/cpuinfo` (or the given text); empty when they cannot be read."""
+  if cpuinfo is None:
+    try:
+      cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+      return set()
+  for line in cpuinfo.splitlines():
+    if line.startswith("flags"):
+      return set(line.partition(":")[2].split())
+  return set()
+
+
+def unsupported_reason(machine: str | None = None, flags: set[str] | None = None) -> str | None:
+  """Why this CPU cannot run the kernel (it needs x86-64 with AVX2 and FMA), or None when it can."""
+  machine = platform.machine() if machine is None else machine
+  if machine.lower() not in ("x86_64", "amd64"):
+    return f"the CPU is {machine}, not x86-64"
+  flags = cpu_flags() if flags is None else flags
+  missing = sorted({"avx2", "fma"} - flags)
+  return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def build(compiler: str | None = None, folder: Path | None = None) -> Path:
+  """Compiles `cpu/small_gemm.cc` into a shared library, or returns the one compiled before.
+
+  The file name carries a hash of the source, the flags, the compiler and the JAX version, so a change of any of
+  them builds anew. The library is written under a temporary name and renamed into place, so processes building
+  at the same time (test workers) never load a partial file.
+
+  Args:
+    compiler: the C++ compiler; default `$CXX`, else the first of `c++` and `g++` on the PATH.
+    folder: where libraries are kept; default `cache_dir()`.
+
+  Returns:
+    The library's path.
+
+  Raises:
+    RuntimeError: no C++ compiler is found, or it fails (the message holds its first error lines).
+  """
+  compiler = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+  if not compiler:
+    raise RuntimeError("no C++ compiler found (set CXX, or install g++) to build the small-batch matmul kernel")
+  folder = cache_dir() if folder is None else folder
+  include = jax.ffi.include_dir()
+  key = hashlib.sha256()
+  for part in (SOURCE.read_bytes(), " ".join(_FLAGS).encode(), compiler.encode(), jax.__version__.encode()):
+    key.update(part)
+  path = folder / f"small_gemm-{key.hexdigest()[:16]}.so"
+  if path.exists():
+    return path
+  folder.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=folder) as tmp:
+    partial = Path(tmp) / path.name
+    command = [compiler, *_FLAGS, f"-I{include}", "-o", str(partial), str(SOURCE)]
+    try:
+      result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+      raise RuntimeError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
+    if result.returncode != 0:
+      first_lines = " | ".join(result.stderr.strip().splitlines()[:3])
+      raise RuntimeError(f"{compiler} failed (exit status {result.returncode}) building {SOURCE.name}: {first_lines}")
+    os.replace(partial, path)
+  return path
+
+
+@functools.cache
+def load() -> bool:
+  """Builds and registers the kernel once per process; returns whether it is available.
+
+  Returns False, with the reason logged once as a warning, when the CPU cannot run it or it cannot be built.
+  """
+  reason = unsupported_reason()
+  library = None
+  if reason is None:
+    try:
+      library = ctypes.cdll.LoadLibrary(str(build()))
+    except (RuntimeError, OSError) as e:
+      reason = str(e)
+  if library is None:
+    logger.warning("small-batch CPU matmul kernel not used (XLA's dot is): %s", reason)
+    return False
+  for target, symbol in _TARGETS.values():
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+  return True
+
+
+@contextlib.contextmanager
+def enabled(on: bool = True) -> Iterator[None]:
+  """Within this context (while a program is traced), `applies` may choose the kernel; outside it, never.
+
+  The choice is made when a function is traced, and JAX reuses a function's traces: call it inside functions
+  traced with one setting only (the engine turns it on inside its own step functions).
+  """
+  token = _ENABLED.set(on)
+  try:
+    yield
+  finally:
+    _ENABLED.reset(token)
+
+
+def applies(rows: int, *dtypes: jnp.dtype) -> bool:
+  """Whether a product of `rows` rows with these operand dtypes should use the kernel at this trace point.
+
+  True only inside `enabled()`, for 2 to 8 rows of float32 operands, once `load()` has succeeded.
+  """
+  return _ENABLED.get() and MIN_ROWS <= rows <= MAX_ROWS and all(jnp.dtype(d) == jnp.float32 for d in dtypes) and load()
+
+
+def _call(kind: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  if x.ndim != 2 or w.ndim != 2:
+    raise ValueError(f"small-batch matmul takes 2-D operands, got x {x.shape} and w {w.shape}")
+  if not 1 <= x.shape[0] <= MAX_ROWS:
+    raise ValueError(f"small-batch matmul takes 1 to {MAX_ROWS} rows, got x {x.shape}")
+  k_axis, n_axis = (0, 1) if kind == "nn" else (1, 0)
+  if x.shape[1] != w.shape[k_axis]:
+    raise ValueError(f"small-batch matmul: x {x.shape} and w {w.shape} ({kind}) do not share their inner size")
+  if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+    raise ValueError(f"small-batch matmul takes float32 operands, got x {x.dtype} and w {w.dtype}")
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[n_axis]), jnp.float32)
+  return jax.ffi.ffi_call(_TARGETS[kind][0], out)(x, w)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """`x @ w` by the kernel (call `load()` first).
+
+  Args:
+    x: `[M, K]` float32, 1 <= M <= 8.
+    w: `[K, N]` float32.
+
+  Returns:
+    `[M, N]` float32.
+
+  Raises:
+    ValueError: the operands are not 2-D float32 with 1 to 8 rows in `x` and the same K.
+  """
+  return _call("nn", x, w)
+
+
+def matmul_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
+  """`x @ w.T` by the kernel (call `load()` first): a tied output head over its `[V, D]` table.
+
+  Args:
+    x: `[M, K]` float32, 1 <= M <= 8.
+    w: `[N, K]` float32.
+
+  Returns:
+    `[M, N]` float32.
+
+  Raises:
+    ValueError: as for `matmul`.
+  """
+  return _call("nt", x, w)

@@ -1,0 +1,224 @@
+"""Tests for the small-batch CPU matmul kernel: build, registration, numerics against float64 NumPy, dispatch."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtext.kernels import cpu_gemm
+from maxtext.layers import embeddings, linears
+
+needs_kernel = pytest.mark.skipif(
+    cpu_gemm.unsupported_reason() is not None, reason="the kernel needs x86-64 with AVX2 and FMA"
+)
+
+
+def _reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+  return x.astype(np.float64) @ w.astype(np.float64)
+
+
+def _close(got, want) -> None:
+  """fp32 sums of up to a few thousand products: within 2e-6 of the largest magnitude."""
+  got = np.asarray(got)
+  np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * max(1.0, float(np.max(np.abs(want)))))
+
+
+def test_cpu_flags_reads_the_flags_line():
+  text = "processor\t: 0\nflags\t\t: fpu sse avx2 fma\nbugs\t: none\n"
+  assert cpu_gemm.cpu_flags(text) == {"fpu", "sse", "avx2", "fma"}
+  assert cpu_gemm.cpu_flags("processor: 0\n") == set()
+
+
+@pytest.mark.parametrize(
+    "machine, flags, reason",
+    [
+        ("x86_64", {"avx2", "fma", "sse"}, None),
+        ("AMD64", {"avx2", "fma"}, None),
+        ("aarch64", {"avx2", "fma"}, "the CPU is aarch64, not x86-64"),
+        ("x86_64", {"avx2"}, "the CPU lacks fma"),
+        ("x86_64", set(), "the CPU lacks avx2, fma"),
+    ],
+)
+def test_unsupported_reason(machine, flags, reason):
+  assert cpu_gemm.unsupported_reason(machine, flags) == reason
+
+
+@needs_kernel
+def test_build_reuses_the_library_and_rebuilds_for_another_compiler(tmp_path):
+  path = cpu_gemm.build(folder=tmp_path)
+  assert path.parent == tmp_path and path.suffix == ".so"
+  stamp = path.stat().st_mtime_ns
+  assert cpu_gemm.build(folder=tmp_path) == path
+  assert path.stat().st_mtime_ns == stamp  # not compiled again
+  assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no partial file left behind
+  other = cpu_gemm.build(compiler="g++", folder=tmp_path)
+  assert other != path and other.exists()
+
+
+def test_build_names_a_missing_or_failing_compiler(tmp_path):
+  with pytest.raises(RuntimeError, match=r"cannot run the C\+\+ compiler '/nonexistent/c\+\+'"):
+    cpu_gemm.build(compiler="/nonexistent/c++", folder=tmp_path)
+  with pytest.raises(RuntimeError, match=r"false failed \(exit status 1\) building small_gemm.cc"):
+    cpu_gemm.build(compiler="false", folder=tmp_path)
+
+
+def test_build_without_any_compiler(tmp_path, monkeypatch):
+  monkeypatch.delenv("CXX", raising=False)
+  monkeypatch.setenv("PATH", str(tmp_path))
+  with pytest.raises(RuntimeError, match=r"no C\+\+ compiler found \(set CXX, or install g\+\+\)"):
+    cpu_gemm.build(folder=tmp_path)
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+  monkeypatch.setenv("MAXTEXT_KERNEL_CACHE", str(tmp_path))
+  assert cpu_gemm.cache_dir() == tmp_path
+  monkeypatch.delenv("MAXTEXT_KERNEL_CACHE")
+  assert cpu_gemm.cache_dir() == cpu_gemm.Path.home() / ".cache" / "maxtext" / "kernels"
+
+
+def test_load_reports_why_the_kernel_is_not_used(monkeypatch, caplog):
+  monkeypatch.setattr(cpu_gemm, "unsupported_reason", lambda: "the CPU is riscv64, not x86-64")
+  cpu_gemm.load.cache_clear()
+  try:
+    with caplog.at_level(logging.WARNING, logger=cpu_gemm.__name__):
+      assert cpu_gemm.load() is False
+    assert "not used (XLA's dot is): the CPU is riscv64, not x86-64" in caplog.text
+    with cpu_gemm.enabled():
+      assert not cpu_gemm.applies(4, jnp.float32, jnp.float32)
+  finally:
+    cpu_gemm.load.cache_clear()
+
+
+@needs_kernel
+def test_load_reports_a_failed_build(monkeypatch, caplog, tmp_path):
+  monkeypatch.setenv("CXX", "false")
+  monkeypatch.setenv("MAXTEXT_KERNEL_CACHE", str(tmp_path))
+  cpu_gemm.load.cache_clear()
+  try:
+    with caplog.at_level(logging.WARNING, logger=cpu_gemm.__name__):
+      assert cpu_gemm.load() is False
+    assert "false failed (exit status 1)" in caplog.text
+  finally:
+    cpu_gemm.load.cache_clear()
+
+
+# (M, K, N): every row count, K and N below, at and past the kernels' blocks of 8 columns, 8 k-steps, 256-column
+# chunks (NN) and 512-row chunks (NT), and the decode benchmark's shapes.
+_SHAPES = [
+    (1, 1, 1),
+    (2, 7, 3),
+    (3, 8, 8),
+    (4, 9, 13),
+    (5, 17, 257),
+    (6, 64, 1000),
+    (7, 515, 300),
+    (8, 512, 3072),
+    (8, 1536, 512),
+    (8, 512, 32000),
+    (2, 512, 4100),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, k, n", _SHAPES)
+def test_matmul_matches_float64(m, k, n):
+  assert cpu_gemm.load()
+  rng = np.random.default_rng(m * 1000 + k + n)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  _close(jax.jit(cpu_gemm.matmul)(x, w), _reference(x, w))
+  _close(jax.jit(cpu_gemm.matmul_transposed)(x, np.ascontiguousarray(w.T)), _reference(x, w))
+
+
+@needs_kernel
+def test_matmul_leaves_no_stale_values_between_calls():
+  """Two calls of different shapes in one program: each output holds only its own product."""
+  assert cpu_gemm.load()
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((8, 40)).astype(np.float32)
+  w1, w2 = rng.standard_normal((40, 24)).astype(np.float32), rng.standard_normal((40, 24)).astype(np.float32)
+
+  def both(x, w1, w2):
+    return cpu_gemm.matmul(x, w1), cpu_gemm.matmul(x[:3], w2), cpu_gemm.matmul_transposed(x[:5], w1.T)
+
+  a, b, c = jax.jit(both)(x, w1, w2)
+  _close(a, _reference(x, w1))
+  _close(b, _reference(x[:3], w2))
+  _close(c, _reference(x[:5], w1))
+
+
+@pytest.mark.parametrize(
+    "x, w, match",
+    [
+        (jnp.zeros((2, 3, 4)), jnp.zeros((4, 5)), r"2-D operands, got x \(2, 3, 4\) and w \(4, 5\)"),
+        (jnp.zeros((9, 4)), jnp.zeros((4, 5)), r"1 to 8 rows, got x \(9, 4\)"),
+        (jnp.zeros((2, 4)), jnp.zeros((3, 5)), r"x \(2, 4\) and w \(3, 5\) \(nn\) do not share their inner size"),
+        (jnp.zeros((2, 4), jnp.bfloat16), jnp.zeros((4, 5)), r"float32 operands, got x bfloat16 and w float32"),
+    ],
+)
+def test_matmul_rejects_what_the_kernel_cannot_take(x, w, match):
+  with pytest.raises(ValueError, match=match):
+    cpu_gemm.matmul(x, w)
+
+
+def test_matmul_transposed_checks_the_inner_size_of_the_table():
+  with pytest.raises(ValueError, match=r"x \(2, 4\) and w \(5, 3\) \(nt\) do not share their inner size"):
+    cpu_gemm.matmul_transposed(jnp.zeros((2, 4)), jnp.zeros((5, 3)))
+
+
+@needs_kernel
+def test_applies_only_inside_enabled_for_two_to_eight_float32_rows():
+  assert not cpu_gemm.applies(4, jnp.float32, jnp.float32)
+  with cpu_gemm.enabled():
+    assert [cpu_gemm.applies(r, jnp.float32, jnp.float32) for r in (1, 2, 8, 9)] == [False, True, True, False]
+    assert not cpu_gemm.applies(4, jnp.bfloat16, jnp.float32)
+    with cpu_gemm.enabled(False):
+      assert not cpu_gemm.applies(4, jnp.float32, jnp.float32)
+    assert cpu_gemm.applies(4, jnp.float32, jnp.float32)
+  assert not cpu_gemm.applies(4, jnp.float32, jnp.float32)
+
+
+def _uses_kernel(fn, *args) -> bool:
+  """Whether a fresh trace of `fn` calls the kernel (a wrapper per call: JAX caches traces per function)."""
+  return "ffi_call" in str(jax.make_jaxpr(lambda *a: fn(*a))(*args))  # pylint: disable=unnecessary-lambda
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 4, 8, 16])
+def test_dense_general_takes_the_kernel_for_small_batches_only(rows):
+  """Multi-axis inputs and outputs (an output projection [H, d] -> [D] and a query projection [D] -> [H, d])."""
+  rng = np.random.default_rng(rows)
+  x = jnp.asarray(rng.standard_normal((rows, 4, 16)), jnp.float32)
+  w_out = jnp.asarray(rng.standard_normal((4, 16, 24)), jnp.float32)
+  w_in = jnp.asarray(rng.standard_normal((24, 4, 16)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+
+  def project(x, w_out, w_in, bias):
+    y = linears.dense_general(x, w_out, None, num_in_axes=2, dtype=jnp.float32)
+    return y, linears.dense_general(y, w_in, bias, num_in_axes=1, dtype=jnp.float32)
+
+  with cpu_gemm.enabled():
+    assert _uses_kernel(project, x, w_out, w_in, bias) == (2 <= rows <= 8)
+    y, z = jax.jit(project)(x, w_out, w_in, bias)
+  assert not _uses_kernel(project, x, w_out, w_in, bias)
+  want_y = _reference(np.asarray(x).reshape(rows, 64), np.asarray(w_out).reshape(64, 24))
+  want_z = _reference(np.asarray(y), np.asarray(w_in).reshape(24, 64)) + np.asarray(bias).reshape(64)
+  assert y.shape == (rows, 24) and z.shape == (rows, 4, 16)
+  _close(y, want_y)
+  _close(np.asarray(z).reshape(rows, 64), want_z)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(3, 32), (2, 2, 32)])
+def test_tied_head_takes_the_transposed_kernel(shape):
+  rng = np.random.default_rng(7)
+  table = jnp.asarray(rng.standard_normal((100, 32)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  with cpu_gemm.enabled():
+    assert _uses_kernel(lambda t, h: embeddings.attend(t, h, dtype=jnp.float32), table, x)
+    logits = embeddings.attend(table, x, dtype=jnp.float32)
+  assert logits.shape == shape[:-1] + (100,)
+  want = _reference(np.asarray(x).reshape(-1, 32), np.asarray(table).T).reshape(shape[:-1] + (100,))
+  _close(logits, want)

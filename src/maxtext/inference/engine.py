@@ -172,8 +172,11 @@ class LLMEngine:
     def zero_rows(states, rows):
       return tuple(state.at[rows].set(0, mode="drop") for state in states)
 
-    # The runner's settings: kv_caches donated, the layer map static.
+    # The runner's settings: kv_caches donated, the layer map static. Steps of 2-8 tokens, the kernel's, compile
+    # with its compile options; the others with XLA's defaults (one jitted function each, traced per shape).
+    small_options = cpu_gemm.small_batch_compiler_options() if self.use_cpu_gemm else {}
     self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(5,))
+    self._step_small = jax.jit(step, donate_argnums=(1,), static_argnums=(5,), compiler_options=small_options)
     self._zero_rows = jax.jit(zero_rows, donate_argnums=(0,))
     self._zero_rows_bucket = next_power_of_two(max_num_reqs(cfg))
     self._zero_slots([])  # compiles the zeroing program now (no row is written), not in the first request's path
@@ -181,6 +184,9 @@ class LLMEngine:
     # Greedy steps without logprobs run the model and the argmax as one program: one dispatch per step, and only
     # the token ids come back to the host.
     self._step_greedy = jax.jit(step_greedy, donate_argnums=(1,), static_argnums=(6,))
+    self._step_greedy_small = jax.jit(
+        step_greedy, donate_argnums=(1,), static_argnums=(6,), compiler_options=small_options
+    )
 
   def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
     """Queues a request; returns its id.
@@ -275,18 +281,20 @@ class LLMEngine:
     requests = {e.request.request_id: e.request for e in out.scheduled}
     params = [requests[rid].sampling_params for rid in out.sampling_request_ids]
     sampled: dict[str, int] = {}
+    small = self.use_cpu_gemm and cpu_gemm.MIN_ROWS <= batch.padded_num_tokens <= cpu_gemm.MAX_ROWS
     if params and all(p.is_greedy and p.logprobs is None for p in params):
       # Logits rows padded to a size fixed by the step's static shapes (its token and request buckets), so the
       # fused program compiles no more often than the step alone.
       num_rows = min(batch.padded_num_reqs, batch.padded_num_tokens)
       indices = sampling_logits_indices(batch, out.sampling_request_ids, num_rows=num_rows)
-      self.kv_caches, token_ids, finite = self._step_greedy(*inputs, indices, self.layer_map)
+      step_greedy = self._step_greedy_small if small else self._step_greedy
+      self.kv_caches, token_ids, finite = step_greedy(*inputs, indices, self.layer_map)
       token_ids, finite = np.asarray(token_ids), np.asarray(finite)
       check_finite_rows(finite[: len(params)])
       for rid, token in zip(out.sampling_request_ids, token_ids[: len(params)]):
         sampled[rid] = int(token)
     else:
-      self.kv_caches, hidden = self._step(*inputs, self.layer_map)
+      self.kv_caches, hidden = (self._step_small if small else self._step)(*inputs, self.layer_map)
       if params:
         indices = sampling_logits_indices(batch, out.sampling_request_ids)
         logits = np.asarray(self._logits(self._state_leaves, hidden, indices))[: len(params)]

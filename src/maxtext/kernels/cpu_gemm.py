@@ -40,6 +40,10 @@ MIN_ROWS, MAX_ROWS = 2, 8  # one row stays on XLA's matrix-vector path, which al
 _TARGETS = {"nn": ("maxtext_small_gemm_nn", "MaxtextSmallGemmNN"), "nt": ("maxtext_small_gemm_nt", "MaxtextSmallGemmNT")}
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 _ENABLED = contextvars.ContextVar("maxtext_cpu_gemm_enabled", default=False)
+# XLA's CPU compiler hands element-wise and reduction fusions to YNNPACK. In a decode step of a few rows those
+# fusions (the attention's scores, softmax and weighted sum) cost more per call than XLA's own loops: a Gemma3 batch
+# of 8 spent about a third of its step in them. Programs of 2-8 rows compile without them.
+_SMALL_BATCH_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def cache_dir() -> Path:
@@ -132,6 +136,21 @@ def load() -> bool:
   for target, symbol in _TARGETS.values():
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
   return True
+
+
+@functools.cache
+def small_batch_compiler_options() -> dict[str, str]:
+  """XLA compile options for the programs the kernel serves (2-8 rows): YNNPACK's fusions off.
+
+  Returns:
+    The options, or {} (logged once) when this jaxlib does not know them.
+  """
+  try:
+    jax.jit(lambda x: x + 1, compiler_options=_SMALL_BATCH_OPTIONS).lower(jnp.zeros((2,))).compile()
+  except jax.errors.JaxRuntimeError as e:
+    logger.warning("small-batch programs keep XLA's default fusions: %s", e)
+    return {}
+  return dict(_SMALL_BATCH_OPTIONS)
 
 
 @contextlib.contextmanager

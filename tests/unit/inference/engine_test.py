@@ -3,6 +3,7 @@ that fail validation, and an interrupted `LLM.generate`. The reference for every
 alone in the same engine (nothing else queued), so only the runner's sharing of caches between requests is tested.
 """
 
+import functools
 import threading
 import types
 
@@ -234,6 +235,11 @@ def test_state_slot_zeroing_compiles_once_when_the_engine_starts():
   assert zero_rows._cache_size() == 1  # pylint: disable=protected-access
 
 
+def _recorded(program, calls, *args):
+  calls.append(args[2].shape)  # input_ids
+  return program(*args)
+
+
 @pytest.mark.parametrize("mesh", [{}, {"ici_tensor_parallelism": 2}])
 def test_small_batch_matmul_kernel_serves_single_cpu_device_decodes_with_the_same_tokens(monkeypatch, mesh):
   """Decode steps of 2-8 requests take the kernel on one CPU device (not across devices) and keep the tokens."""
@@ -248,8 +254,14 @@ def test_small_batch_matmul_kernel_serves_single_cpu_device_decodes_with_the_sam
     engine = _engine("llama-tiny", cpu_small_matmul=on, min_token_bucket=1, **mesh)
     expected = on and not mesh and cpu_gemm.unsupported_reason() is None
     assert engine.use_cpu_gemm is expected
+    small_steps = []
+    # Which program each step runs: record the calls of the one compiled with the kernel's options.
+    small_program = engine._step_greedy_small  # pylint: disable=protected-access
+    engine._step_greedy_small = functools.partial(_recorded, small_program, small_steps)  # pylint: disable=protected-access
     ids = engine.add_requests([(p, params) for p in prompts])
     done = _run(engine)
     tokens[on] = [done[i].output_token_ids for i in ids]
     assert bool(traced) is expected and all(2 <= rows <= 8 for rows, _ in traced)
+    # Steps of 2-8 tokens ran as the program compiled with the kernel's options (and only with the kernel on).
+    assert bool(small_steps) is expected
   assert tokens[True] == tokens[False]

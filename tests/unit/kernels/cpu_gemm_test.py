@@ -222,3 +222,29 @@ def test_tied_head_takes_the_transposed_kernel(shape):
   assert logits.shape == shape[:-1] + (100,)
   want = _reference(np.asarray(x).reshape(-1, 32), np.asarray(table).T).reshape(shape[:-1] + (100,))
   _close(logits, want)
+
+
+def test_small_batch_programs_compile_without_ynnpack_fusions():
+  """The options are accepted by this jaxlib and remove YNNPACK's fusions from a decode-sized program."""
+  options = cpu_gemm.small_batch_compiler_options()
+  assert options == {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+  def scores(q, k):
+    return jnp.exp(jnp.sum(q[:, None] * k, axis=-1))
+
+  q, k = jnp.ones((8, 64)), jnp.ones((8, 128, 64))
+  default = jax.jit(scores).lower(q, k).compile().as_text()
+  small = jax.jit(scores, compiler_options=options).lower(q, k).compile().as_text()
+  assert "ynn_fusion" in default and "ynn_fusion" not in small
+  np.testing.assert_allclose(jax.jit(scores, compiler_options=options)(q, k), jax.jit(scores)(q, k), rtol=1e-6)
+
+
+def test_small_batch_options_unknown_to_jaxlib_fall_back_to_defaults(monkeypatch, caplog):
+  monkeypatch.setattr(cpu_gemm, "_SMALL_BATCH_OPTIONS", {"xla_cpu_no_such_option_for_this_test": ""})
+  cpu_gemm.small_batch_compiler_options.cache_clear()
+  try:
+    with caplog.at_level(logging.WARNING, logger=cpu_gemm.__name__):
+      assert not cpu_gemm.small_batch_compiler_options()
+    assert "keep XLA's default fusions" in caplog.text and "xla_cpu_no_such_option_for_this_test" in caplog.text
+  finally:
+    cpu_gemm.small_batch_compiler_options.cache_clear()

@@ -30,8 +30,13 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kLanes = 8;         // rows of x per vector register
-constexpr int64_t kMinChunkNN = 256;   // columns per task in the NN kernel: at least this many (multiple of 8),
-constexpr int64_t kMaxChunkNN = 2048;  // at most this many, about a quarter of the columns in between
+// The NN kernel cuts a product into tasks by columns when w is wider than kMaxChunkNN (chunks of a quarter of the
+// columns, within [kMinChunkNN, kMaxChunkNN], multiples of 8), else by rows of w: up to kMaxSlices slices of at
+// least kRowsPerSlice rows.
+constexpr int64_t kMinChunkNN = 256;
+constexpr int64_t kMaxChunkNN = 2048;
+constexpr int64_t kRowsPerSlice = 128;
+constexpr int64_t kMaxSlices = 8;
 constexpr int64_t kChunkNT = 512;  // columns (rows of w) per task in the NT kernel (multiple of 8)
 
 // Runs `body(chunk)` for chunk in [0, num_chunks) on the calling thread and the pool's threads.
@@ -70,15 +75,14 @@ class AlignedRows {
   float* data_;
 };
 
-// Columns [n0, n1) of y = x @ w, w [K, N]; xt [K][8] holds x transposed, zero-padded to 8 rows.
-void NNChunk(const float* xt, const float* w, float* y, int64_t m, int64_t k_size, int64_t n_size, int64_t n0,
-             int64_t n1) {
-  alignas(32) float acc_buf[kMaxChunkNN * kLanes];
+// Adds rows [k_begin, k_end) x columns [n0, n1) of x @ w to acc_buf [n1 - n0][8] (column j's 8 rows of y in
+// lanes); w [K, N]; xt [K][8] holds x transposed, zero-padded to 8 rows.
+void NNAccumulate(const float* xt, const float* w, float* acc_buf, int64_t k_begin, int64_t k_end, int64_t n_size,
+                  int64_t n0, int64_t n1) {
   const int64_t width = n1 - n0;
-  std::memset(acc_buf, 0, sizeof(float) * width * kLanes);
   const int64_t width8 = width / 8 * 8;
-  int64_t k0 = 0;
-  for (; k0 + 8 <= k_size; k0 += 8) {
+  int64_t k0 = k_begin;
+  for (; k0 + 8 <= k_end; k0 += 8) {
     const __m256 x0 = _mm256_load_ps(xt + (k0 + 0) * kLanes), x1 = _mm256_load_ps(xt + (k0 + 1) * kLanes);
     const __m256 x2 = _mm256_load_ps(xt + (k0 + 2) * kLanes), x3 = _mm256_load_ps(xt + (k0 + 3) * kLanes);
     const __m256 x4 = _mm256_load_ps(xt + (k0 + 4) * kLanes), x5 = _mm256_load_ps(xt + (k0 + 5) * kLanes);
@@ -128,7 +132,7 @@ void NNChunk(const float* xt, const float* w, float* y, int64_t m, int64_t k_siz
       _mm256_store_ps(acc_buf + j * kLanes, a);
     }
   }
-  for (; k0 < k_size; ++k0) {
+  for (; k0 < k_end; ++k0) {
     const __m256 xr = _mm256_load_ps(xt + k0 * kLanes);
     const float* wk = w + k0 * n_size + n0;
     for (int64_t j = 0; j < width; ++j) {
@@ -136,9 +140,13 @@ void NNChunk(const float* xt, const float* w, float* y, int64_t m, int64_t k_siz
       _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_broadcast_ss(wk + j), xr, _mm256_load_ps(a)));
     }
   }
+}
+
+// Writes acc_buf [n1 - n0][8] into columns [n0, n1) of y [m, N].
+void NNStore(const float* acc_buf, float* y, int64_t m, int64_t n_size, int64_t n0, int64_t n1) {
   for (int64_t i = 0; i < m; ++i) {
     float* yi = y + i * n_size + n0;
-    for (int64_t j = 0; j < width; ++j) yi[j] = acc_buf[j * kLanes + i];
+    for (int64_t j = 0; j < n1 - n0; ++j) yi[j] = acc_buf[j * kLanes + i];
   }
 }
 
@@ -230,12 +238,37 @@ ffi::Error SmallGemmNN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   auto xt = std::make_shared<AlignedRows>(x.typed_data(), m, k);
   const float* wd = w.typed_data();
   float* yd = y->typed_data();
-  // Wide chunks keep each weight row's read long enough for the hardware prefetcher to follow it.
-  const int64_t width = std::clamp<int64_t>((n / 4 + 7) / 8 * 8, kMinChunkNN, kMaxChunkNN);
-  const int64_t chunks = (n + width - 1) / width;
-  ParallelChunks(pool, chunks, [xt, wd, yd, m, k, n, width](int64_t c) {
-    NNChunk(xt->data(), wd, yd, m, k, n, c * width, std::min(n, (c + 1) * width));
+  if (n > kMaxChunkNN) {
+    // Wide: chunks of whole columns (all of K), each summed in its own buffer and written out by its task.
+    const int64_t width = std::min<int64_t>(kMaxChunkNN, std::max<int64_t>(kMinChunkNN, (n / 4 + 7) / 8 * 8));
+    const int64_t chunks = (n + width - 1) / width;
+    ParallelChunks(pool, chunks, [xt, wd, yd, m, k, n, width](int64_t c) {
+      alignas(32) float acc_buf[kMaxChunkNN * kLanes];
+      const int64_t n0 = c * width, n1 = std::min(n, (c + 1) * width);
+      std::memset(acc_buf, 0, sizeof(float) * (n1 - n0) * kLanes);
+      NNAccumulate(xt->data(), wd, acc_buf, 0, k, n, n0, n1);
+      NNStore(acc_buf, yd, m, n, n0, n1);
+    });
+    return ffi::Error::Success();
+  }
+  // Narrow: slices of whole rows of w (one contiguous stretch of memory each, which the hardware prefetcher
+  // follows), each summed into its own buffer; the slices' sums are added in slice order, so the result does not
+  // depend on which thread ran which slice.
+  const int64_t slices = std::clamp<int64_t>(k / kRowsPerSlice, 1, kMaxSlices);
+  const int64_t rows = (k / slices + 7) / 8 * 8;
+  auto partial = std::make_shared<std::vector<float>>(slices * n * kLanes + kLanes, 0.0f);
+  float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(partial->data()) + 31) & ~uintptr_t{31});
+  ParallelChunks(pool, slices, [xt, partial, base, wd, k, n, rows, slices](int64_t c) {
+    const int64_t k_end = c == slices - 1 ? k : std::min(k, (c + 1) * rows);
+    NNAccumulate(xt->data(), wd, base + c * n * kLanes, std::min(k, c * rows), k_end, n, 0, n);
   });
+  for (int64_t c = 1; c < slices; ++c) {
+    const float* part = base + c * n * kLanes;
+    for (int64_t j = 0; j < n * kLanes; j += kLanes) {
+      _mm256_store_ps(base + j, _mm256_add_ps(_mm256_load_ps(base + j), _mm256_load_ps(part + j)));
+    }
+  }
+  NNStore(base, yd, m, n, 0, n);
   return ffi::Error::Success();
 }
 

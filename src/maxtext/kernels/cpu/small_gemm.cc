@@ -7,10 +7,11 @@
 //   maxtext_small_gemm_nn: y[M, N] = x[M, K] @ w[K, N]    (w row-major, as the dense layers store their kernels)
 //   maxtext_small_gemm_nt: y[M, N] = x[M, K] @ w[N, K]^T  (w row-major, as a tied output head stores the table)
 //
-// with 1 <= M <= 8. Columns are cut into chunks that the calling thread and XLA's intra-op thread pool claim
-// from a shared counter, so a call never waits for a task that has not started: helpers that start late find no
-// chunk left. The sums run over k in increasing order within each of 8 interleaved partial sums, so results differ
-// from XLA's dot by rounding only (the Python tests bound the difference against a float64 product).
+// with 1 <= M <= 8. A product is cut into tasks (ranges of columns, or for narrow weights slices of whole rows of w,
+// each a contiguous stretch of memory) that the calling thread and XLA's intra-op thread pool claim from a shared
+// counter, so a call never waits for a task that has not started: helpers that start late find no task left.
+// Partial sums are combined in a fixed order, so a result does not depend on the threads; it differs from XLA's dot
+// by float32 rounding only (the Python tests bound the difference against a float64 product).
 
 #include <immintrin.h>
 
@@ -59,11 +60,16 @@ void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, Body body) {
   while (shared->done.load(std::memory_order_acquire) < num_chunks) std::this_thread::yield();
 }
 
+// The first 32-byte aligned float of a buffer allocated with kLanes floats to spare.
+inline float* Align32(float* data) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(data) + 31) & ~uintptr_t{31});
+}
+
 // x [m, k] transposed to [k][8] (row i of x in lane i), zero-padded to 8 lanes, 32-byte aligned.
 class AlignedRows {
  public:
   AlignedRows(const float* x, int64_t m, int64_t k) : storage_(k * kLanes + kLanes, 0.0f) {
-    data_ = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage_.data()) + 31) & ~uintptr_t{31});
+    data_ = Align32(storage_.data());
     for (int64_t i = 0; i < m; ++i) {
       for (int64_t j = 0; j < k; ++j) data_[j * kLanes + i] = x[i * k + j];
     }
@@ -212,92 +218,93 @@ void NTChunk(const float* xt, const float* w, float* y, int64_t m, int64_t k_siz
   }
 }
 
-ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w, ffi::ResultBuffer<ffi::F32>& y,
-                       bool transposed, int64_t* m, int64_t* k, int64_t* n) {
+// A product's sizes and operands: x transposed into lanes, w and y in place.
+struct Product {
+  int64_t m, k, n;
+  std::shared_ptr<AlignedRows> xt;
+  const float* w;
+  float* y;
+};
+
+// Checks the shapes (w [K, N], or [N, K] when `transposed`) and prepares the product.
+ffi::Error Prepare(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w, ffi::ResultBuffer<ffi::F32>& y, bool transposed,
+                   Product* p) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
     return ffi::Error::InvalidArgument("small_gemm: x, w and y must be 2-D");
   }
-  *m = xd[0];
-  *k = xd[1];
-  *n = transposed ? wd[0] : wd[1];
+  p->m = xd[0];
+  p->k = xd[1];
+  p->n = transposed ? wd[0] : wd[1];
   const int64_t wk = transposed ? wd[1] : wd[0];
-  if (*m < 1 || *m > kLanes) return ffi::Error::InvalidArgument("small_gemm: x must have 1 to 8 rows");
-  if (wk != *k || yd[0] != *m || yd[1] != *n) {
+  if (p->m < 1 || p->m > kLanes) return ffi::Error::InvalidArgument("small_gemm: x must have 1 to 8 rows");
+  if (wk != p->k || yd[0] != p->m || yd[1] != p->n) {
     return ffi::Error::InvalidArgument("small_gemm: the shapes of x, w and y do not match");
   }
+  p->xt = std::make_shared<AlignedRows>(x.typed_data(), p->m, p->k);
+  p->w = w.typed_data();
+  p->y = y->typed_data();
   return ffi::Error::Success();
 }
 
 ffi::Error SmallGemmNN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
-  int64_t m, k, n;
-  if (ffi::Error error = CheckShapes(x, w, y, false, &m, &k, &n); error.failure()) return error;
-  auto xt = std::make_shared<AlignedRows>(x.typed_data(), m, k);
-  const float* wd = w.typed_data();
-  float* yd = y->typed_data();
-  if (n > kMaxChunkNN) {
+  Product p;
+  if (ffi::Error error = Prepare(x, w, y, false, &p); error.failure()) return error;
+  if (p.n > kMaxChunkNN) {
     // Wide: chunks of whole columns (all of K), each summed in its own buffer and written out by its task.
-    const int64_t width = std::min<int64_t>(kMaxChunkNN, std::max<int64_t>(kMinChunkNN, (n / 4 + 7) / 8 * 8));
-    const int64_t chunks = (n + width - 1) / width;
-    ParallelChunks(pool, chunks, [xt, wd, yd, m, k, n, width](int64_t c) {
+    const int64_t width = std::min<int64_t>(kMaxChunkNN, std::max<int64_t>(kMinChunkNN, (p.n / 4 + 7) / 8 * 8));
+    ParallelChunks(pool, (p.n + width - 1) / width, [p, width](int64_t c) {
       alignas(32) float acc_buf[kMaxChunkNN * kLanes];
-      const int64_t n0 = c * width, n1 = std::min(n, (c + 1) * width);
+      const int64_t n0 = c * width, n1 = std::min(p.n, (c + 1) * width);
       std::memset(acc_buf, 0, sizeof(float) * (n1 - n0) * kLanes);
-      NNAccumulate(xt->data(), wd, acc_buf, 0, k, n, n0, n1);
-      NNStore(acc_buf, yd, m, n, n0, n1);
+      NNAccumulate(p.xt->data(), p.w, acc_buf, 0, p.k, p.n, n0, n1);
+      NNStore(acc_buf, p.y, p.m, p.n, n0, n1);
     });
     return ffi::Error::Success();
   }
   // Narrow: slices of whole rows of w (one contiguous stretch of memory each, which the hardware prefetcher
   // follows), each summed into its own buffer; the slices' sums are added in slice order, so the result does not
   // depend on which thread ran which slice.
-  const int64_t slices = std::clamp<int64_t>(k / kRowsPerSlice, 1, kMaxSlices);
-  const int64_t rows = (k / slices + 7) / 8 * 8;
-  auto partial = std::make_shared<std::vector<float>>(slices * n * kLanes + kLanes, 0.0f);
-  float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(partial->data()) + 31) & ~uintptr_t{31});
-  ParallelChunks(pool, slices, [xt, partial, base, wd, k, n, rows, slices](int64_t c) {
-    const int64_t k_end = c == slices - 1 ? k : std::min(k, (c + 1) * rows);
-    NNAccumulate(xt->data(), wd, base + c * n * kLanes, std::min(k, c * rows), k_end, n, 0, n);
+  const int64_t slices = std::clamp<int64_t>(p.k / kRowsPerSlice, 1, kMaxSlices);
+  const int64_t rows = (p.k / slices + 7) / 8 * 8;
+  auto partial = std::make_shared<std::vector<float>>(slices * p.n * kLanes + kLanes, 0.0f);
+  float* base = Align32(partial->data());
+  ParallelChunks(pool, slices, [p, partial, base, rows, slices](int64_t c) {
+    const int64_t k_end = c == slices - 1 ? p.k : std::min(p.k, (c + 1) * rows);
+    NNAccumulate(p.xt->data(), p.w, base + c * p.n * kLanes, std::min(p.k, c * rows), k_end, p.n, 0, p.n);
   });
   for (int64_t c = 1; c < slices; ++c) {
-    const float* part = base + c * n * kLanes;
-    for (int64_t j = 0; j < n * kLanes; j += kLanes) {
+    const float* part = base + c * p.n * kLanes;
+    for (int64_t j = 0; j < p.n * kLanes; j += kLanes) {
       _mm256_store_ps(base + j, _mm256_add_ps(_mm256_load_ps(base + j), _mm256_load_ps(part + j)));
     }
   }
-  NNStore(base, yd, m, n, 0, n);
+  NNStore(base, p.y, p.m, p.n, 0, p.n);
   return ffi::Error::Success();
 }
 
 ffi::Error SmallGemmNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
-  int64_t m, k, n;
-  if (ffi::Error error = CheckShapes(x, w, y, true, &m, &k, &n); error.failure()) return error;
-  auto xt = std::make_shared<AlignedRows>(x.typed_data(), m, k);
-  const float* wd = w.typed_data();
-  float* yd = y->typed_data();
-  const int64_t chunks = (n + kChunkNT - 1) / kChunkNT;
-  ParallelChunks(pool, chunks, [xt, wd, yd, m, k, n](int64_t c) {
-    NTChunk(xt->data(), wd, yd, m, k, n, c * kChunkNT, std::min(n, (c + 1) * kChunkNT));
+  Product p;
+  if (ffi::Error error = Prepare(x, w, y, true, &p); error.failure()) return error;
+  ParallelChunks(pool, (p.n + kChunkNT - 1) / kChunkNT, [p](int64_t c) {
+    NTChunk(p.xt->data(), p.w, p.y, p.m, p.k, p.n, c * kChunkNT, std::min(p.n, (c + 1) * kChunkNT));
   });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNN, SmallGemmNN,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// Both handlers take XLA's intra-op thread pool, x and w, and return y.
+#define MAXTEXT_SMALL_GEMM_BINDING  \
+  ffi::Ffi::Bind()                  \
+      .Ctx<ffi::ThreadPool>()       \
+      .Arg<ffi::Buffer<ffi::F32>>() \
+      .Arg<ffi::Buffer<ffi::F32>>() \
+      .Ret<ffi::Buffer<ffi::F32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNT, SmallGemmNT,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNN, SmallGemmNN, MAXTEXT_SMALL_GEMM_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNT, SmallGemmNT, MAXTEXT_SMALL_GEMM_BINDING);

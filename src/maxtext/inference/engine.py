@@ -145,8 +145,9 @@ class LLMEngine:
       return nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, leaves))
 
     # The small-batch matmul kernel on a single CPU device (it does not partition across devices).
-    self.use_cpu_gemm = bool(cfg.cpu_small_matmul) and self.mesh.size == 1 and jax.default_backend() == "cpu"
-    self.use_cpu_gemm = self.use_cpu_gemm and cpu_gemm.load()
+    self.use_cpu_gemm = (
+        bool(cfg.cpu_small_matmul) and self.mesh.size == 1 and jax.default_backend() == "cpu" and cpu_gemm.load()
+    )
 
     def step(leaves, kv_caches, input_ids, attention_metadata, input_positions, layer_map):
       self.stats.step_traces += 1  # Python side effect: runs once per trace, i.e. per compilation.

@@ -3,12 +3,13 @@
 A decode step multiplies one row per request by every weight matrix. XLA's CPU dot packs the weight matrix on every
 call, so with 2 to 8 rows it reads weights at well under the memory bandwidth (a single row takes its
 matrix-vector path, which does not pack and is left to XLA). `cpu/small_gemm.cc` reads each weight once, in place,
-with the rows in the lanes of a vector register, and splits the columns over XLA's intra-op threads.
+with the rows in the lanes of a vector register, and splits the work over XLA's intra-op threads.
 
 The kernel is C++ shipped as source: `load()` compiles it once per source, JAX version and compiler into
-`~/.cache/maxtext/kernels/` (or `$MAXTEXT_KERNEL_CACHE`) with the system C++ compiler and JAX's FFI headers, then
-registers its two handlers with XLA. Without a compiler, on another CPU, or when the build fails, `load()` says why
-once in the log and XLA's dot is used: the kernel is an optimisation, never a requirement.
+`kernels/` under this package's cache folder (`$MAXTEXT_CACHE_DIR`, else `~/.cache/maxtext`) with the system C++
+compiler and JAX's FFI headers, then registers its two handlers with XLA. Without a compiler, on another CPU, or
+when the build fails, `load()` says why once in the log and XLA's dot is used: the kernel is an optimisation, never a
+requirement.
 
 Model code calls `matmul` / `matmul_transposed` only inside `enabled()` (the engine turns it on while it traces its
 step programs on a single CPU device); everywhere else, and on other backends, the products stay XLA dots.
@@ -47,8 +48,11 @@ _SMALL_BATCH_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def cache_dir() -> Path:
-  """Where compiled kernels are kept: `$MAXTEXT_KERNEL_CACHE`, else `~/.cache/maxtext/kernels`."""
-  return Path(os.environ.get("MAXTEXT_KERNEL_CACHE") or Path.home() / ".cache" / "maxtext" / "kernels")
+  """Where compiled kernels are kept: `kernels/` in `$MAXTEXT_CACHE_DIR`, else in `~/.cache/maxtext`.
+
+  The same cache folder and variable as the other files this package keeps (the tests' tpu-inference wheel).
+  """
+  return Path(os.environ.get("MAXTEXT_CACHE_DIR") or Path.home() / ".cache" / "maxtext") / "kernels"
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:

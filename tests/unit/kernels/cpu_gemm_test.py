@@ -72,9 +72,9 @@ def test_build_without_any_compiler(tmp_path, monkeypatch):
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
-  monkeypatch.setenv("MAXTEXT_KERNEL_CACHE", str(tmp_path))
-  assert cpu_gemm.cache_dir() == tmp_path
-  monkeypatch.delenv("MAXTEXT_KERNEL_CACHE")
+  monkeypatch.setenv("MAXTEXT_CACHE_DIR", str(tmp_path))
+  assert cpu_gemm.cache_dir() == tmp_path / "kernels"
+  monkeypatch.delenv("MAXTEXT_CACHE_DIR")
   assert cpu_gemm.cache_dir() == cpu_gemm.Path.home() / ".cache" / "maxtext" / "kernels"
 
 
@@ -94,7 +94,7 @@ def test_load_reports_why_the_kernel_is_not_used(monkeypatch, caplog):
 @needs_kernel
 def test_load_reports_a_failed_build(monkeypatch, caplog, tmp_path):
   monkeypatch.setenv("CXX", "false")
-  monkeypatch.setenv("MAXTEXT_KERNEL_CACHE", str(tmp_path))
+  monkeypatch.setenv("MAXTEXT_CACHE_DIR", str(tmp_path))
   cpu_gemm.load.cache_clear()
   try:
     with caplog.at_level(logging.WARNING, logger=cpu_gemm.__name__):

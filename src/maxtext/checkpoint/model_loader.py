@@ -16,7 +16,9 @@ from maxtext.models import Transformer, abstract_model, assign_params
 logger = logging.getLogger(__name__)
 
 
-def load_model(cfg: ml_collections.FrozenConfigDict, *, progress: bool = True) -> Transformer:
+def load_model(
+    cfg: ml_collections.FrozenConfigDict, *, progress: bool = True, into: Transformer | None = None
+) -> Transformer:
   """The model of `cfg` with its parameters.
 
   Sources, first set wins: `load_parameters_path` (Orbax checkpoint, e.g. from scripts/convert_hf_checkpoint.py),
@@ -27,6 +29,8 @@ def load_model(cfg: ml_collections.FrozenConfigDict, *, progress: bool = True) -
     cfg: a loaded config whose model keys match the checkpoint (e.g. `hf.load_hf_config` or
       `convert.load_converted_config`).
     progress: show a progress bar while reading a Hugging Face folder.
+    into: a model of `cfg` (e.g. `abstract_model(cfg)`, which takes a trace of the whole model to build) whose
+      parameters a Hugging Face or GGUF source replaces in place; None builds one.
 
   Returns:
     The model, parameters in `cfg.weight_dtype`.
@@ -35,11 +39,11 @@ def load_model(cfg: ml_collections.FrozenConfigDict, *, progress: bool = True) -
     logger.info("restoring parameters from %s", cfg.load_parameters_path)
     return orbax.restore_model(cfg.load_parameters_path, cfg)
   if cfg.hf_model_path:
-    model = abstract_model(cfg)
+    model = abstract_model(cfg) if into is None else into
     assign_params(model, hf.iter_hf_params(cfg.hf_model_path, cfg, progress=progress))
     return model
   if cfg.gguf_model_path:
-    model = abstract_model(cfg)
+    model = abstract_model(cfg) if into is None else into
     assign_params(model, gguf.iter_gguf_params(cfg.gguf_model_path, cfg, progress=progress))
     return model
   logger.info("no checkpoint configured: random initialisation (init_seed=%d)", cfg.init_seed)

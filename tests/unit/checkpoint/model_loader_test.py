@@ -4,9 +4,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext.checkpoint import hf, load_model, save_params
+from maxtext.checkpoint import hf, load_model, model_loader, save_params
 from maxtext.configs import load_config
-from maxtext.models import Transformer, get_flat_params
+from maxtext.inference.vllm_config import vllm_config_from_maxtext
+from maxtext.integration.vllm import adapter
+from maxtext.models import Transformer, abstract_model, get_flat_params
 
 
 def _assert_same(a, b):
@@ -33,3 +35,33 @@ def test_hf_model_path(hf_checkpoint):
   folder, _ = hf_checkpoint("qwen3_tied")
   cfg = hf.load_hf_config(folder)
   _assert_same(get_flat_params(load_model(cfg, progress=False)), hf.load_hf_params(folder, cfg))
+
+
+@pytest.mark.hf
+def test_hf_model_path_fills_a_given_abstract_model_in_place(hf_checkpoint):
+  folder, _ = hf_checkpoint("qwen3_tied")
+  cfg = hf.load_hf_config(folder)
+  into = abstract_model(cfg)
+  loaded = load_model(cfg, progress=False, into=into)
+  assert loaded is into
+  _assert_same(get_flat_params(loaded), hf.load_hf_params(folder, cfg))
+
+
+@pytest.mark.hf
+def test_the_adapter_traces_its_model_once_when_loading_a_folder(hf_checkpoint, monkeypatch):
+  """The adapter's constructor builds the abstract model; loading fills that one instead of tracing another."""
+
+  folder, _ = hf_checkpoint("qwen3_tied")
+  cfg = hf.load_hf_config(folder)
+  calls = []
+
+  def counted(c):
+    calls.append(c)
+    return abstract_model(c)
+
+  monkeypatch.setattr(adapter, "abstract_model", counted)
+  monkeypatch.setattr(model_loader, "abstract_model", counted)
+  model = adapter.MaxTextForCausalLM(vllm_config_from_maxtext(cfg), None)
+  model.load_weights(None)
+  assert len(calls) == 1
+  _assert_same(get_flat_params(model.model), hf.load_hf_params(folder, cfg))

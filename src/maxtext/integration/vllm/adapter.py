@@ -143,7 +143,7 @@ class MaxTextForCausalLM(nnx.Module):
           "load_format is not 'dummy' but none of load_parameters_path (Orbax), hf_model_path and gguf_model_path"
           " is set in additional_config['maxtext_config']"
       )
-    model = load_model(cfg)
+    model = load_model(cfg, into=self.model)  # the constructor's abstract model: no second trace of it
     self.model = sharding.shard_model(model, cfg, self.mesh) if self.is_sharded else model
 
   def kv_cache_shardings(self, kv_caches: list[Any]) -> list[Any]:

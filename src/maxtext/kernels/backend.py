@@ -22,7 +22,7 @@ from typing import Any
 import jax
 
 from maxtext.configs.errors import ConfigError
-from maxtext.kernels import experts, moe
+from maxtext.kernels import cpu_gemm, experts, moe
 from maxtext.kernels.ragged_conv1d import ragged_conv1d
 from maxtext.kernels.ragged_gated_delta_rule import ragged_gated_delta_rule
 from maxtext.kernels.ragged_mamba2 import ragged_mamba2
@@ -355,7 +355,10 @@ class ReferenceBackend(KernelBackend):
       raise ValueError(f"MoE method must be one of {EXPERT_METHODS}, got {method!r}")
     extra = {"b_gate": b_gate, "b_up": b_up, "b_down": b_down, "glu": glu}
     extra = {k: v for k, v in extra.items() if v is not None}  # the plain expert MLP: exactly the old call
-    return _EXPERT_FNS[method](x, weights, indices, w_gate, w_up, w_down, activation=activation, dtype=dtype, **extra)
+    fn = _EXPERT_FNS[method]
+    if cpu_gemm.applies_experts(indices.size, dtype, w_gate.dtype, w_up.dtype, w_down.dtype):
+      fn = moe.experts_cpu_rows  # the CPU kernel reads the selected experts in place (engine steps on one CPU)
+    return fn(x, weights, indices, w_gate, w_up, w_down, activation=activation, dtype=dtype, **extra)
 
 
 _BACKENDS: dict[str, Callable[[jax.sharding.Mesh | None], KernelBackend]] = {REFERENCE: ReferenceBackend}

@@ -3,16 +3,19 @@
 A decode step multiplies one row per request by every weight matrix. XLA's CPU dot packs the weight matrix on every
 call, so with 2 to 8 rows it reads weights at well under the memory bandwidth (a single row takes its
 matrix-vector path, which does not pack and is left to XLA). `cpu/small_gemm.cc` reads each weight once, in place,
-with the rows in the lanes of a vector register, and splits the work over XLA's intra-op threads.
+with the rows in the lanes of a vector register, and splits the work over XLA's intra-op threads. Routed experts
+have a third product, `expert_matmul`: each (token, choice) row times its expert's matrix, read where it lies in
+the stacked `[E, K, N]` weights (XLA copies a matrix it slices out of them before multiplying).
 
 The kernel is C++ shipped as source: `load()` compiles it once per source, JAX version and compiler into
 `kernels/` under this package's cache folder (`$MAXTEXT_CACHE_DIR`, else `~/.cache/maxtext`) with the system C++
-compiler and JAX's FFI headers, then registers its two handlers with XLA. Without a compiler, on another CPU, or
+compiler and JAX's FFI headers, then registers its handlers with XLA. Without a compiler, on another CPU, or
 when the build fails, `load()` says why once in the log and XLA's dot is used: the kernel is an optimisation, never a
 requirement.
 
-Model code calls `matmul` / `matmul_transposed` only inside `enabled()` (the engine turns it on while it traces its
-step programs on a single CPU device); everywhere else, and on other backends, the products stay XLA dots.
+Model code calls `matmul` / `matmul_transposed` / `expert_matmul` only inside `enabled()` (the engine turns it on
+while it traces its step programs on a single CPU device); everywhere else, and on other backends, the products
+stay XLA dots.
 """
 
 from __future__ import annotations
@@ -38,7 +41,12 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "small_gemm.cc"
 MIN_ROWS, MAX_ROWS = 2, 8  # one row stays on XLA's matrix-vector path, which already reads at the memory bandwidth
-_TARGETS = {"nn": ("maxtext_small_gemm_nn", "MaxtextSmallGemmNN"), "nt": ("maxtext_small_gemm_nt", "MaxtextSmallGemmNT")}
+MAX_EXPERT_ROWS = 128  # (token, choice) rows up to which the routed experts run on the kernel
+_TARGETS = {
+    "nn": ("maxtext_small_gemm_nn", "MaxtextSmallGemmNN"),
+    "nt": ("maxtext_small_gemm_nt", "MaxtextSmallGemmNT"),
+    "experts": ("maxtext_expert_gemm", "MaxtextExpertGemm"),
+}
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 _ENABLED = contextvars.ContextVar("maxtext_cpu_gemm_enabled", default=False)
 # XLA's CPU compiler hands element-wise and reduction fusions to YNNPACK. In a decode step of a few rows those
@@ -179,6 +187,14 @@ def applies(rows: int, *dtypes: jnp.dtype) -> bool:
   return _ENABLED.get() and MIN_ROWS <= rows <= MAX_ROWS and all(jnp.dtype(d) == jnp.float32 for d in dtypes) and load()
 
 
+def applies_experts(rows: int, *dtypes: jnp.dtype) -> bool:
+  """Whether routed experts over `rows` (token, choice) rows should use `expert_matmul` at this trace point.
+
+  True only inside `enabled()`, for 1 to `MAX_EXPERT_ROWS` rows of float32 operands, once `load()` has succeeded.
+  """
+  return _ENABLED.get() and 1 <= rows <= MAX_EXPERT_ROWS and all(jnp.dtype(d) == jnp.float32 for d in dtypes) and load()
+
+
 def _call(kind: str, x: jax.Array, w: jax.Array) -> jax.Array:
   if x.ndim != 2 or w.ndim != 2:
     raise ValueError(f"small-batch matmul takes 2-D operands, got x {x.shape} and w {w.shape}")
@@ -223,3 +239,33 @@ def matmul_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
     ValueError: as for `matmul`.
   """
   return _call("nt", x, w)
+
+
+def expert_matmul(x: jax.Array, w: jax.Array, experts: jax.Array) -> jax.Array:
+  """Row `r` of `x` times its expert's matrix `w[experts[r]]`, by the kernel, reading `w` in place (call `load()`).
+
+  Rows of one expert are multiplied together (up to 8 at a time), so each selected matrix is read once per 8 rows;
+  XLA would copy every selected matrix out of `w` first.
+
+  Args:
+    x: `[R, K]` float32.
+    w: `[E, K, N]` float32, one matrix per expert.
+    experts: `[R]` int32 expert ids in `[0, E)` (an id outside fails the program's execution).
+
+  Returns:
+    `[R, N]` float32.
+
+  Raises:
+    ValueError: the operands are not float32 `[R, K]`, `[E, K, N]` and int32 `[R]`.
+  """
+  if x.ndim != 2 or w.ndim != 3 or experts.shape != (x.shape[0],) or x.shape[1] != w.shape[1]:
+    raise ValueError(
+        f"expert matmul takes x [R, K], w [E, K, N] and experts [R]; got x {x.shape}, w {w.shape}, experts"
+        f" {experts.shape}"
+    )
+  if x.dtype != jnp.float32 or w.dtype != jnp.float32 or experts.dtype != jnp.int32:
+    raise ValueError(
+        f"expert matmul takes float32 x and w and int32 experts; got {x.dtype}, {w.dtype} and {experts.dtype}"
+    )
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
+  return jax.ffi.ffi_call(_TARGETS["experts"][0], out)(x, w, experts)

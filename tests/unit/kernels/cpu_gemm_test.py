@@ -248,3 +248,58 @@ def test_small_batch_options_unknown_to_jaxlib_fall_back_to_defaults(monkeypatch
     assert "keep XLA's default fusions" in caplog.text and "xla_cpu_no_such_option_for_this_test" in caplog.text
   finally:
     cpu_gemm.small_batch_compiler_options.cache_clear()
+
+
+def _expert_reference(x: np.ndarray, w: np.ndarray, experts: np.ndarray) -> np.ndarray:
+  return np.einsum("rk,rkn->rn", x.astype(np.float64), w[experts].astype(np.float64))
+
+
+# (rows, E, K, N, experts): a single row (one task, sliced rows of w), rows of distinct experts, an expert with more
+# than 8 rows (chunks of 8 and a remainder), K not a multiple of 4 or 8, N past the lanes' 2048-column buffer
+# (column blocks), and the decode benchmark's batch-8 routing size.
+_EXPERT_CASES = [
+    (1, 4, 512, 256, [2]),
+    (2, 16, 512, 256, [3, 11]),
+    (11, 3, 37, 19, [1] * 9 + [0, 2]),
+    (5, 4, 130, 2100, [3, 0, 3, 1, 3]),
+    (16, 16, 512, 256, None),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows, num_experts, k, n, experts", _EXPERT_CASES)
+def test_expert_matmul_matches_float64(rows, num_experts, k, n, experts):
+  assert cpu_gemm.load()
+  rng = np.random.default_rng(rows * 100 + k)
+  x = rng.standard_normal((rows, k)).astype(np.float32)
+  w = rng.standard_normal((num_experts, k, n)).astype(np.float32)
+  ids = np.asarray(experts if experts is not None else rng.integers(0, num_experts, rows), np.int32)
+  _close(jax.jit(cpu_gemm.expert_matmul)(x, w, ids), _expert_reference(x, w, ids))
+
+
+@needs_kernel
+def test_expert_matmul_fails_the_program_on_an_expert_id_out_of_range():
+  assert cpu_gemm.load()
+  x, w = np.ones((2, 8), np.float32), np.ones((3, 8, 4), np.float32)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"expert id is outside \[0, E\)"):
+    jax.block_until_ready(jax.jit(cpu_gemm.expert_matmul)(x, w, np.asarray([0, 3], np.int32)))
+
+
+@pytest.mark.parametrize(
+    "x, w, experts, match",
+    [
+        (jnp.zeros((2, 4)), jnp.zeros((4, 5)), jnp.zeros((2,), jnp.int32), r"w \[E, K, N\].*w \(4, 5\)"),
+        (jnp.zeros((2, 4)), jnp.zeros((3, 5, 6)), jnp.zeros((2,), jnp.int32), r"got x \(2, 4\), w \(3, 5, 6\)"),
+        (jnp.zeros((2, 4)), jnp.zeros((3, 4, 6)), jnp.zeros((3,), jnp.int32), r"experts \(3,\)"),
+        (jnp.zeros((2, 4)), jnp.zeros((3, 4, 6)), jnp.zeros((2,)), r"int32 experts; got float32, float32 and float32"),
+        (
+            jnp.zeros((2, 4), jnp.bfloat16),
+            jnp.zeros((3, 4, 6)),
+            jnp.zeros((2,), jnp.int32),
+            r"got bfloat16, float32 and int32",
+        ),
+    ],
+)
+def test_expert_matmul_rejects_what_the_kernel_cannot_take(x, w, experts, match):
+  with pytest.raises(ValueError, match=match):
+    cpu_gemm.expert_matmul(x, w, experts)

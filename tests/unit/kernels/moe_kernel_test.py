@@ -1,5 +1,5 @@
 """kernels/moe.py (named apart from layers/moe_test.py: test basenames must be unique): grouped-matmul experts
-(ragged_dot and tiled) against experts_dense and a float64 NumPy reference."""
+(ragged_dot, tiled and the CPU kernel's rows) against experts_dense and a float64 NumPy reference."""
 
 import functools
 
@@ -8,12 +8,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from maxtext.kernels import cpu_gemm
 from maxtext.kernels.backend import default_backend
 from maxtext.kernels.experts import experts_dense
-from maxtext.kernels.moe import experts_ragged, experts_tiled, sort_by_expert, tile_rows
+from maxtext.kernels.moe import experts_cpu_rows, experts_ragged, experts_tiled, sort_by_expert, tile_rows
 from maxtext.layers.mlp import clamped_swiglu
 
-KERNELS = {"ragged": experts_ragged, "tiled": experts_tiled}
+needs_cpu_kernel = pytest.mark.skipif(
+    cpu_gemm.unsupported_reason() is not None, reason="the CPU kernel needs x86-64 with AVX2 and FMA"
+)
+KERNELS = {
+    "ragged": experts_ragged,
+    "tiled": experts_tiled,
+    "cpu_rows": pytest.param(experts_cpu_rows, marks=needs_cpu_kernel),
+}
 
 
 def _silu64(x):
@@ -44,7 +52,7 @@ def _case(num_tokens, num_experts, top_k, seed=0, skew=False, dim=16, mlp=12):
   return x, weights, indices, wg, wu, wd
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS)
 @pytest.mark.parametrize(
     "num_tokens,num_experts,top_k,skew",
     [(1, 16, 2, False), (5, 4, 1, False), (8, 16, 2, False), (64, 16, 2, False), (33, 6, 3, True), (7, 3, 3, False)],
@@ -52,7 +60,9 @@ def _case(num_tokens, num_experts, top_k, seed=0, skew=False, dim=16, mlp=12):
 def test_kernel_matches_float64_reference_and_dense(kernel, num_tokens, num_experts, top_k, skew):
   x, weights, indices, wg, wu, wd = _case(num_tokens, num_experts, top_k, skew=skew)
   kw = {"activation": jax.nn.silu, "dtype": jnp.float32}
-  fn = jax.jit(lambda *a: KERNELS[kernel](*a, **kw))
+  if kernel is experts_cpu_rows:
+    assert cpu_gemm.load()
+  fn = jax.jit(lambda *a: kernel(*a, **kw))
   out = np.asarray(fn(x, weights, indices, wg, wu, wd))
   assert out.shape == (num_tokens, 16) and out.dtype == np.float32
   np.testing.assert_allclose(out, _reference(x, weights, indices, wg, wu, wd), atol=2e-5, rtol=1e-5)
@@ -60,11 +70,11 @@ def test_kernel_matches_float64_reference_and_dense(kernel, num_tokens, num_expe
   np.testing.assert_allclose(out, dense, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", [experts_ragged, experts_tiled], ids=["ragged", "tiled"])
 def test_kernel_in_bfloat16_is_close_to_the_float64_reference(kernel):
   x, weights, indices, wg, wu, wd = _case(12, 8, 2, seed=3)
   cast = [jnp.asarray(a, jnp.bfloat16) for a in (x, wg, wu, wd)]
-  out = KERNELS[kernel](cast[0], weights, indices, *cast[1:], activation=jax.nn.silu, dtype=jnp.bfloat16)
+  out = kernel(cast[0], weights, indices, *cast[1:], activation=jax.nn.silu, dtype=jnp.bfloat16)
   assert out.dtype == jnp.bfloat16
   ref = _reference(
       *(np.asarray(a, np.float32) for a in (cast[0], weights)), indices, *(np.asarray(a, np.float32) for a in cast[1:])
@@ -97,7 +107,7 @@ def test_tile_bound_covers_every_routing(num_rows, num_experts):
   assert worst <= max_tiles
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS)
 @pytest.mark.parametrize(
     "shapes,match",
     [
@@ -109,7 +119,7 @@ def test_tile_bound_covers_every_routing(num_rows, num_experts):
 def test_kernel_rejects_shapes_that_disagree(kernel, shapes, match):
   arrays = [jnp.zeros(s, jnp.int32 if i == 2 else jnp.float32) for i, s in enumerate(shapes)]
   with pytest.raises(ValueError, match=match):
-    KERNELS[kernel](*arrays, activation=jax.nn.silu, dtype=jnp.float32)
+    kernel(*arrays, activation=jax.nn.silu, dtype=jnp.float32)
 
 
 def _clamped_swiglu64(gate, up, alpha=1.702, limit=0.8):
@@ -117,19 +127,37 @@ def _clamped_swiglu64(gate, up, alpha=1.702, limit=0.8):
   return (np.clip(up, -limit, limit) + 1) * g / (1 + np.exp(-alpha * g))
 
 
-@pytest.mark.parametrize("method", ["tiled", "ragged", "dense", "gather"])
-def test_every_method_takes_expert_biases_and_a_glu(method):
-  """gpt-oss experts: biased gate/up/down and the clamped SwiGLU, in every backend method, against float64."""
+@pytest.mark.parametrize(
+    "method, cpu_kernel",
+    [
+        ("tiled", False),
+        ("ragged", False),
+        ("dense", False),
+        ("gather", False),
+        pytest.param("tiled", True, marks=needs_cpu_kernel, id="tiled-under-the-cpu-kernel"),
+    ],
+)
+def test_every_method_takes_expert_biases_and_a_glu(method, cpu_kernel):
+  """gpt-oss experts: biased gate/up/down and the clamped SwiGLU, in every backend method, against float64.
+
+  Inside `cpu_gemm.enabled()` the backend runs the CPU kernel's rows whatever the method (the engine's steps).
+  """
   x, weights, indices, wg, wu, wd = _case(9, 5, 2, seed=3)
   rng = np.random.default_rng(4)
   bg, bu = (rng.normal(size=(5, 12)).astype(np.float32) for _ in range(2))
   bd = rng.normal(size=(5, 16)).astype(np.float32)
   glu = functools.partial(clamped_swiglu, alpha=1.702, limit=0.8)
   args = [jnp.asarray(a) for a in (x, weights, indices, wg, wu, wd, bg, bu, bd)]
-  out = default_backend().moe_experts(
-      *args[:6], activation=jax.nn.silu, dtype=jnp.float32, method=method, b_gate=args[6], b_up=args[7],
-      b_down=args[8], glu=glu,
-  )  # fmt: skip
+
+  def run(*args):
+    with cpu_gemm.enabled(cpu_kernel):
+      return default_backend().moe_experts(
+          *args[:6], activation=jax.nn.silu, dtype=jnp.float32, method=method, b_gate=args[6], b_up=args[7],
+          b_down=args[8], glu=glu,
+      )  # fmt: skip
+
+  assert ("ffi_call" in str(jax.make_jaxpr(run)(*args))) == cpu_kernel
+  out = jax.jit(run)(*args)
   ref = np.zeros((9, 16))
   gates = []
   for t in range(9):
@@ -147,3 +175,25 @@ def test_bias_shapes_are_checked():
   x, weights, indices, wg, wu, wd = _case(3, 4, 2)
   with pytest.raises(ValueError, match=r"b_down of shape \(4, 16\) \(w_gate \(4, 16, 12\)\); got \(4, 12\)"):
     experts_tiled(x, weights, indices, wg, wu, wd, activation=jax.nn.silu, dtype=jnp.float32, b_down=np.zeros((4, 12)))
+
+
+@needs_cpu_kernel
+def test_the_cpu_kernel_serves_float32_batches_up_to_its_row_limit_only():
+  """`applies_experts`: float32, 1 to MAX_EXPERT_ROWS (token, choice) rows, inside `enabled()` only."""
+  assert cpu_gemm.load()
+  limit = cpu_gemm.MAX_EXPERT_ROWS
+
+  def traced(num_tokens, dtype, on=True):
+    x, weights, indices, wg, wu, wd = _case(num_tokens, 4, 2)
+    cast = [jnp.asarray(a, dtype) for a in (x, wg, wu, wd)]
+
+    def run(x, wg, wu, wd):
+      with cpu_gemm.enabled(on):
+        return default_backend().moe_experts(x, weights, indices, wg, wu, wd, activation=jax.nn.silu, dtype=dtype)
+
+    return "ffi_call" in str(jax.make_jaxpr(run)(*cast))
+
+  assert traced(limit // 2, jnp.float32)
+  assert not traced(limit // 2 + 1, jnp.float32)  # 2 choices per token: past the limit
+  assert not traced(4, jnp.bfloat16)
+  assert not traced(4, jnp.float32, on=False)

@@ -7,7 +7,12 @@
 //   maxtext_small_gemm_nn: y[M, N] = x[M, K] @ w[K, N]    (w row-major, as the dense layers store their kernels)
 //   maxtext_small_gemm_nt: y[M, N] = x[M, K] @ w[N, K]^T  (w row-major, as a tied output head stores the table)
 //
-// with 1 <= M <= 8. A product is cut into tasks (ranges of columns, or for narrow weights slices of whole rows of w,
+// with 1 <= M <= 8, and for routed experts
+//
+//   maxtext_expert_gemm:   y[r] = x[r] @ w[experts[r]]  (w [E, K, N], one matrix per expert, read where it lies)
+//
+// for any number of rows, grouped by expert into chunks of up to 8 (one read of the matrix per chunk). A product is
+// cut into tasks (ranges of columns, or for narrow weights slices of whole rows of w,
 // each a contiguous stretch of memory) that the calling thread and XLA's intra-op thread pool claim from a shared
 // counter, so a call never waits for a task that has not started: helpers that start late find no task left.
 // Partial sums are combined in a fixed order, so a result does not depend on the threads; it differs from XLA's dot
@@ -16,6 +21,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -39,6 +45,10 @@ constexpr int64_t kMaxChunkNN = 2048;
 constexpr int64_t kRowsPerSlice = 128;
 constexpr int64_t kMaxSlices = 8;
 constexpr int64_t kChunkNT = 512;  // columns (rows of w) per task in the NT kernel (multiple of 8)
+// The expert kernel splits the rows of w into slices until it has kMinExpertTasks tasks, slices of at least
+// kMinExpertSlice rows.
+constexpr int64_t kMinExpertTasks = 4;
+constexpr int64_t kMinExpertSlice = 64;
 
 // Runs `body(chunk)` for chunk in [0, num_chunks) on the calling thread and the pool's threads.
 template <typename Body>
@@ -68,10 +78,13 @@ inline float* Align32(float* data) {
 // x [m, k] transposed to [k][8] (row i of x in lane i), zero-padded to 8 lanes, 32-byte aligned.
 class AlignedRows {
  public:
-  AlignedRows(const float* x, int64_t m, int64_t k) : storage_(k * kLanes + kLanes, 0.0f) {
+  AlignedRows(const float* x, int64_t m, int64_t k) : AlignedRows(x, nullptr, m, k) {}
+  // Rows rows[0..m) of x (rows 0..m when rows is null).
+  AlignedRows(const float* x, const int64_t* rows, int64_t m, int64_t k) : storage_(k * kLanes + kLanes, 0.0f) {
     data_ = Align32(storage_.data());
     for (int64_t i = 0; i < m; ++i) {
-      for (int64_t j = 0; j < k; ++j) data_[j * kLanes + i] = x[i * k + j];
+      const float* xi = x + (rows == nullptr ? i : rows[i]) * k;
+      for (int64_t j = 0; j < k; ++j) data_[j * kLanes + i] = xi[j];
     }
   }
   const float* data() const { return data_; }
@@ -148,10 +161,45 @@ void NNAccumulate(const float* xt, const float* w, float* acc_buf, int64_t k_beg
   }
 }
 
+// One row: adds rows [k_begin, k_end) x columns [n0, n1) of x @ w to acc [n1 - n0]; x [K], w [K, N]. Four rows of
+// w per pass over the columns, so each 8 columns of acc are loaded and stored once per four weight rows.
+void RowAccumulate(const float* x, const float* w, float* acc, int64_t k_begin, int64_t k_end, int64_t n_size,
+                   int64_t n0, int64_t n1) {
+  const int64_t width = n1 - n0;
+  const int64_t width8 = width / 8 * 8;
+  int64_t k = k_begin;
+  for (; k + 4 <= k_end; k += 4) {
+    const __m256 x0 = _mm256_set1_ps(x[k]), x1 = _mm256_set1_ps(x[k + 1]);
+    const __m256 x2 = _mm256_set1_ps(x[k + 2]), x3 = _mm256_set1_ps(x[k + 3]);
+    const float* w0 = w + k * n_size + n0;
+    const float* w1 = w0 + n_size;
+    const float* w2 = w1 + n_size;
+    const float* w3 = w2 + n_size;
+    int64_t j = 0;
+    for (; j < width8; j += 8) {
+      __m256 a = _mm256_loadu_ps(acc + j);
+      a = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w0 + j), a);
+      a = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w1 + j), a);
+      a = _mm256_fmadd_ps(x2, _mm256_loadu_ps(w2 + j), a);
+      a = _mm256_fmadd_ps(x3, _mm256_loadu_ps(w3 + j), a);
+      _mm256_storeu_ps(acc + j, a);
+    }
+    for (; j < width; ++j) {
+      acc[j] = std::fma(x[k + 3], w3[j], std::fma(x[k + 2], w2[j], std::fma(x[k + 1], w1[j], std::fma(x[k], w0[j], acc[j]))));
+    }
+  }
+  for (; k < k_end; ++k) {
+    const float* wk = w + k * n_size + n0;
+    for (int64_t j = 0; j < width; ++j) acc[j] = std::fma(x[k], wk[j], acc[j]);
+  }
+}
+
 // Writes acc_buf [n1 - n0][8] into columns [n0, n1) of y [m, N].
-void NNStore(const float* acc_buf, float* y, int64_t m, int64_t n_size, int64_t n0, int64_t n1) {
+// With `rows`, lane i goes to row rows[i] of y.
+void NNStore(const float* acc_buf, float* y, int64_t m, int64_t n_size, int64_t n0, int64_t n1,
+             const int64_t* rows = nullptr) {
   for (int64_t i = 0; i < m; ++i) {
-    float* yi = y + i * n_size + n0;
+    float* yi = y + (rows == nullptr ? i : rows[i]) * n_size + n0;
     for (int64_t j = 0; j < n1 - n0; ++j) yi[j] = acc_buf[j * kLanes + i];
   }
 }
@@ -296,6 +344,102 @@ ffi::Error SmallGemmNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
+// y[r] = x[r] @ w[experts[r]] for r in [0, R): x [R, K], w [E, K, N] (one [K, N] matrix per expert, read in
+// place), experts [R] int32 in [0, E). The rows are grouped by expert in row order and each group is cut into
+// chunks of up to 8 rows, so a chunk reads its expert's matrix once: a single row as a matrix-vector product, more
+// in the lanes like the NN kernel. A chunk's columns are split into blocks when there are few chunks, so both
+// threads have work. Each output element is one sum over K in a fixed order, whatever the threads.
+ffi::Error ExpertGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto ed = experts.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || ed.size() != 1 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("expert_gemm: x, y must be 2-D, w 3-D and experts 1-D");
+  }
+  const int64_t num_rows = xd[0], k = xd[1], num_experts = wd[0], n = wd[2];
+  if (wd[1] != k || ed[0] != num_rows || yd[0] != num_rows || yd[1] != n) {
+    return ffi::Error::InvalidArgument("expert_gemm: the shapes of x, w, experts and y do not match");
+  }
+  const int32_t* expert = experts.typed_data();
+  std::vector<int64_t> count(num_experts + 1, 0);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    if (expert[r] < 0 || expert[r] >= num_experts) {
+      return ffi::Error::InvalidArgument("expert_gemm: an expert id is outside [0, E)");
+    }
+    ++count[expert[r] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) count[e + 1] += count[e];  // start of each expert's rows
+  struct Chunk {
+    int64_t expert, begin, size;  // rows order[begin, begin + size) of this expert
+  };
+  auto order = std::make_shared<std::vector<int64_t>>(num_rows);
+  {
+    std::vector<int64_t> next(count.begin(), count.end() - 1);
+    for (int64_t r = 0; r < num_rows; ++r) (*order)[next[expert[r]]++] = r;
+  }
+  auto chunks = std::make_shared<std::vector<Chunk>>();
+  for (int64_t e = 0; e < num_experts; ++e) {
+    for (int64_t b = count[e]; b < count[e + 1]; b += kLanes) {
+      chunks->push_back({e, b, std::min<int64_t>(kLanes, count[e + 1] - b)});
+    }
+  }
+  const int64_t num_chunks = static_cast<int64_t>(chunks->size());
+  // Tasks: chunk x block of columns (blocks only when N exceeds the lanes' buffer) x slice of the rows of w (when
+  // there are fewer than kMinExpertTasks chunk-blocks, so both threads have work; a slice is contiguous memory).
+  const int64_t col_blocks = (n + kMaxChunkNN - 1) / kMaxChunkNN;
+  const int64_t width = ((n + col_blocks - 1) / col_blocks + 7) / 8 * 8;
+  const int64_t units = num_chunks * col_blocks;
+  const int64_t slices =
+      std::clamp<int64_t>((kMinExpertTasks + units - 1) / units, 1, std::max<int64_t>(1, k / kMinExpertSlice));
+  const int64_t slice_rows = (k / slices + 7) / 8 * 8;
+  // With slices, each task sums into its own buffer [width][8]; they are added in slice order afterwards.
+  auto partial = std::make_shared<std::vector<float>>(slices > 1 ? units * slices * width * kLanes + kLanes : 0);
+  float* partial_base = slices > 1 ? Align32(partial->data()) : nullptr;
+  const float* xs = x.typed_data();
+  const float* ws = w.typed_data();
+  float* ys = y->typed_data();
+  ParallelChunks(pool, units * slices, [=](int64_t task) {
+    const int64_t unit = task / slices, slice = task % slices;
+    const Chunk& c = (*chunks)[unit / col_blocks];
+    const int64_t n0 = (unit % col_blocks) * width, n1 = std::min(n, n0 + width);
+    const int64_t k0 = std::min(k, slice * slice_rows), k1 = slice == slices - 1 ? k : std::min(k, k0 + slice_rows);
+    const float* we = ws + c.expert * k * n;
+    const int64_t* rows = order->data() + c.begin;
+    alignas(32) float local[kMaxChunkNN * kLanes];
+    float* acc = slices > 1 ? partial_base + task * width * kLanes : local;
+    if (c.size == 1) {
+      if (slices == 1) acc = ys + rows[0] * n + n0;  // one row sums straight into y
+      std::memset(acc, 0, sizeof(float) * (n1 - n0));
+      RowAccumulate(xs + rows[0] * k, we, acc, k0, k1, n, n0, n1);
+      return;
+    }
+    AlignedRows xt(xs, rows, c.size, k);
+    std::memset(acc, 0, sizeof(float) * (n1 - n0) * kLanes);
+    NNAccumulate(xt.data(), we, acc, k0, k1, n, n0, n1);
+    if (slices == 1) NNStore(acc, ys, c.size, n, n0, n1, rows);
+  });
+  if (slices == 1) return ffi::Error::Success();
+  for (int64_t unit = 0; unit < units; ++unit) {
+    const Chunk& c = (*chunks)[unit / col_blocks];
+    const int64_t n0 = (unit % col_blocks) * width, n1 = std::min(n, n0 + width);
+    const int64_t* rows = order->data() + c.begin;
+    float* sum = partial_base + unit * slices * width * kLanes;
+    const int64_t used = c.size == 1 ? n1 - n0 : (n1 - n0) * kLanes;
+    for (int64_t slice = 1; slice < slices; ++slice) {
+      const float* part = sum + slice * width * kLanes;
+      for (int64_t j = 0; j < used; ++j) sum[j] += part[j];
+    }
+    if (c.size == 1) {
+      std::memcpy(ys + rows[0] * n + n0, sum, sizeof(float) * (n1 - n0));
+    } else {
+      NNStore(sum, ys, c.size, n, n0, n1, rows);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // Both handlers take XLA's intra-op thread pool, x and w, and return y.
@@ -308,3 +452,10 @@ ffi::Error SmallGemmNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNN, SmallGemmNN, MAXTEXT_SMALL_GEMM_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNT, SmallGemmNT, MAXTEXT_SMALL_GEMM_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextExpertGemm, ExpertGemm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

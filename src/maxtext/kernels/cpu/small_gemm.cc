@@ -161,37 +161,41 @@ void NNAccumulate(const float* xt, const float* w, float* acc_buf, int64_t k_beg
   }
 }
 
-// One row: adds rows [k_begin, k_end) x columns [n0, n1) of x @ w to acc [n1 - n0]; x [K], w [K, N]. Four rows of
-// w per pass over the columns, so each 8 columns of acc are loaded and stored once per four weight rows.
+// One row: adds rows [k_begin, k_end) x columns [n0, n1) of x @ w to acc [n1 - n0]; x [K], w [K, N]. kRowsPerPass
+// rows of w per pass over the columns: that many streams in flight (fewer leave a core well below the bandwidth),
+// and each 16 columns of acc are loaded and stored once per pass.
+template <int kRowsPerPass>
+void RowAccumulatePass(const float* x, const float* w, float* acc, int64_t k, int64_t n_size, int64_t n0,
+                       int64_t width) {
+  __m256 xs[kRowsPerPass];
+  const float* ws[kRowsPerPass];
+  for (int r = 0; r < kRowsPerPass; ++r) {
+    xs[r] = _mm256_set1_ps(x[k + r]);
+    ws[r] = w + (k + r) * n_size + n0;
+  }
+  int64_t j = 0;
+  for (; j + 16 <= width; j += 16) {
+    __m256 a = _mm256_loadu_ps(acc + j), b = _mm256_loadu_ps(acc + j + 8);
+    for (int r = 0; r < kRowsPerPass; ++r) {
+      a = _mm256_fmadd_ps(xs[r], _mm256_loadu_ps(ws[r] + j), a);
+      b = _mm256_fmadd_ps(xs[r], _mm256_loadu_ps(ws[r] + j + 8), b);
+    }
+    _mm256_storeu_ps(acc + j, a);
+    _mm256_storeu_ps(acc + j + 8, b);
+  }
+  for (; j < width; ++j) {
+    float a = acc[j];
+    for (int r = 0; r < kRowsPerPass; ++r) a = std::fma(x[k + r], ws[r][j], a);
+    acc[j] = a;
+  }
+}
+
 void RowAccumulate(const float* x, const float* w, float* acc, int64_t k_begin, int64_t k_end, int64_t n_size,
                    int64_t n0, int64_t n1) {
-  const int64_t width = n1 - n0;
-  const int64_t width8 = width / 8 * 8;
+  constexpr int kPass = 16;
   int64_t k = k_begin;
-  for (; k + 4 <= k_end; k += 4) {
-    const __m256 x0 = _mm256_set1_ps(x[k]), x1 = _mm256_set1_ps(x[k + 1]);
-    const __m256 x2 = _mm256_set1_ps(x[k + 2]), x3 = _mm256_set1_ps(x[k + 3]);
-    const float* w0 = w + k * n_size + n0;
-    const float* w1 = w0 + n_size;
-    const float* w2 = w1 + n_size;
-    const float* w3 = w2 + n_size;
-    int64_t j = 0;
-    for (; j < width8; j += 8) {
-      __m256 a = _mm256_loadu_ps(acc + j);
-      a = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w0 + j), a);
-      a = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w1 + j), a);
-      a = _mm256_fmadd_ps(x2, _mm256_loadu_ps(w2 + j), a);
-      a = _mm256_fmadd_ps(x3, _mm256_loadu_ps(w3 + j), a);
-      _mm256_storeu_ps(acc + j, a);
-    }
-    for (; j < width; ++j) {
-      acc[j] = std::fma(x[k + 3], w3[j], std::fma(x[k + 2], w2[j], std::fma(x[k + 1], w1[j], std::fma(x[k], w0[j], acc[j]))));
-    }
-  }
-  for (; k < k_end; ++k) {
-    const float* wk = w + k * n_size + n0;
-    for (int64_t j = 0; j < width; ++j) acc[j] = std::fma(x[k], wk[j], acc[j]);
-  }
+  for (; k + kPass <= k_end; k += kPass) RowAccumulatePass<kPass>(x, w, acc, k, n_size, n0, n1 - n0);
+  for (; k < k_end; ++k) RowAccumulatePass<1>(x, w, acc, k, n_size, n0, n1 - n0);
 }
 
 // Writes acc_buf [n1 - n0][8] into columns [n0, n1) of y [m, N].

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "small_gemm.cc"
 MIN_ROWS, MAX_ROWS = 2, 8  # one row stays on XLA's matrix-vector path, which already reads at the memory bandwidth
-MAX_EXPERT_ROWS = 128  # (token, choice) rows up to which the routed experts run on the kernel
+MAX_EXPERT_ROWS = 1024  # (token, choice) rows up to which the routed experts run on the kernel
 _TARGETS = {
     "nn": ("maxtext_small_gemm_nn", "MaxtextSmallGemmNN"),
     "nt": ("maxtext_small_gemm_nt", "MaxtextSmallGemmNT"),

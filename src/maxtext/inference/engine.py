@@ -9,6 +9,8 @@ one `AttentionMetadata` per group; `jit(model.__call__)` runs with the caches do
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from maxtext.inference import compilation_cache
-from maxtext.inference.batch import BatchInputs, build_batch, next_power_of_two
+from maxtext.inference.batch import BatchInputs, build_batch, next_power_of_two, padded_num_tokens
 from maxtext.inference.kv_cache_manager import KVCacheManager, max_num_reqs
 from maxtext.inference.request import Request
 from maxtext.inference.sampler import Sampler, TokenLogprobs
@@ -32,6 +34,8 @@ from maxtext.integration.vllm.adapter import MaxTextForCausalLM
 from maxtext.kernels import cpu_gemm
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
 from maxtext.models import sharding
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -121,11 +125,9 @@ class LLMEngine:
     self.cfg = cfg
     self.compilation_cache_dir = compilation_cache.configure(cfg.compilation_cache_dir)
     self.mesh = sharding.make_mesh(cfg)
-    self.model = MaxTextForCausalLM(vllm_config_from_maxtext(cfg), jax.random.key(cfg.init_seed), self.mesh)
-    if not self.model.is_dummy:
-      self.model.load_weights(jax.random.key(cfg.init_seed))
+    rng_key = jax.random.key(cfg.init_seed)
+    self.model = MaxTextForCausalLM(vllm_config_from_maxtext(cfg), rng_key, self.mesh)
     self.manager = make_kv_cache_manager(cfg)
-    self.kv_caches = self.model.shard_kv_caches(self.manager.allocate_caches())
     self.layer_map = self.manager.layer_name_to_kvcache_index
     self.recurrent_slots = self.manager.recurrent_slot_indices
     self.scheduler = Scheduler(cfg, self.manager, eos_token_id=eos_token_id)
@@ -136,10 +138,11 @@ class LLMEngine:
     # request id -> token sampled for it by the last `step` (read by streaming callers).
     self.last_sampled: dict[str, int] = {}
     self._next_id = 0
-    graphdef, self.state = nnx.split(self.model)
+    # The model's structure, from the model before its weights are loaded (they fill it in place; checked below).
+    graphdef, state = nnx.split(self.model)
     # The jitted calls take the parameters as a flat list: flattening the nnx State (its Variables) in Python on
     # every call costs milliseconds per step, a list of arrays goes through the C++ dispatch path.
-    self._state_leaves, state_def = jax.tree_util.tree_flatten(self.state)
+    self._state_leaves, state_def = jax.tree_util.tree_flatten(state)
 
     def merged(leaves):
       return nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, leaves))
@@ -180,7 +183,6 @@ class LLMEngine:
     self._step_small = jax.jit(step, donate_argnums=(1,), static_argnums=(5,), compiler_options=small_options)
     self._zero_rows = jax.jit(zero_rows, donate_argnums=(0,))
     self._zero_rows_bucket = next_power_of_two(max_num_reqs(cfg))
-    self._zero_slots([])  # compiles the zeroing program now (no row is written), not in the first request's path
     self._logits = jax.jit(logits)
     # Greedy steps without logprobs run the model and the argmax as one program: one dispatch per step, and only
     # the token ids come back to the host.
@@ -188,6 +190,58 @@ class LLMEngine:
     self._step_greedy_small = jax.jit(
         step_greedy, donate_argnums=(1,), static_argnums=(6,), compiler_options=small_options
     )
+    self.kv_caches = self.model.shard_kv_caches(self.manager.allocate_caches())
+    self._zero_slots([])  # compiles the zeroing program now (no row is written), not in the first request's path
+    # The one-request greedy decode step compiles in a thread while the weights load (shapes are all it needs).
+    self._background_compile: threading.Thread | None = None
+    self._background_tokens = padded_num_tokens(1, int(cfg.max_num_batched_tokens), int(cfg.min_token_bucket))
+    if cfg.background_compile and not self.model.is_dummy and self.mesh.size == 1:
+      self._background_compile = threading.Thread(
+          target=self._compile_smallest_greedy_step, args=(self._state_leaves,), name="maxtext-compile", daemon=True
+      )
+      self._background_compile.start()
+    if not self.model.is_dummy:
+      self.model.load_weights(rng_key)
+      loaded_graphdef, self.state = nnx.split(self.model)
+      self._state_leaves, loaded_def = jax.tree_util.tree_flatten(self.state)
+      if (loaded_graphdef, loaded_def) != (graphdef, state_def):
+        raise RuntimeError("loading the weights changed the model's structure; the step programs were built for it")
+    else:
+      self.state = state
+
+  def _compile_smallest_greedy_step(self, leaves: Sequence[Any]) -> None:
+    """Traces and compiles the greedy step of one request and the smallest token bucket (a one-token decode).
+
+    Runs in a thread while the weights load: it needs only shapes, and JAX keeps the trace and the executable,
+    so the first such step finds both. A failure only logs (the step then compiles when first used).
+    """
+    try:
+      manager = make_kv_cache_manager(self.cfg)
+      scheduler = Scheduler(self.cfg, manager)
+      scheduler.add_request(Request("background-compile", [0], SamplingParams(max_tokens=1, temperature=0.0)))
+      out = scheduler.schedule()
+      batch = build_batch(self.cfg, out, manager)
+      metadata = make_attention_metadata(batch, on_device=False)
+      num_rows = min(batch.padded_num_reqs, batch.padded_num_tokens)
+      indices = sampling_logits_indices(batch, out.sampling_request_ids, num_rows=num_rows)
+      avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
+      kv_caches = jax.eval_shape(manager.allocate_caches)
+      step = self._step_greedy_small if self._is_small(batch) else self._step_greedy
+      step.lower(
+          avals, kv_caches, batch.input_ids, metadata, metadata_positions(metadata), indices, self.layer_map
+      ).compile()
+    except Exception as e:  # pylint: disable=broad-exception-caught  # an optimisation must not break the engine
+      logger.warning("compiling the decode step in the background failed (it compiles when first used): %s", e)
+
+  def _is_small(self, batch: BatchInputs) -> bool:
+    """Whether the step runs the small-batch programs (the CPU kernel's 2-8 tokens)."""
+    return self.use_cpu_gemm and cpu_gemm.MIN_ROWS <= batch.padded_num_tokens <= cpu_gemm.MAX_ROWS
+
+  def _wait_for_background_compile(self, batch: BatchInputs) -> None:
+    """Before a greedy step of the background program's token bucket, waits until that program is compiled."""
+    if self._background_compile is not None and batch.padded_num_tokens == self._background_tokens:
+      self._background_compile.join()
+      self._background_compile = None
 
   def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
     """Queues a request; returns its id.
@@ -282,13 +336,14 @@ class LLMEngine:
     requests = {e.request.request_id: e.request for e in out.scheduled}
     params = [requests[rid].sampling_params for rid in out.sampling_request_ids]
     sampled: dict[str, int] = {}
-    small = self.use_cpu_gemm and cpu_gemm.MIN_ROWS <= batch.padded_num_tokens <= cpu_gemm.MAX_ROWS
+    small = self._is_small(batch)
     if params and all(p.is_greedy and p.logprobs is None for p in params):
       # Logits rows padded to a size fixed by the step's static shapes (its token and request buckets), so the
       # fused program compiles no more often than the step alone.
       num_rows = min(batch.padded_num_reqs, batch.padded_num_tokens)
       indices = sampling_logits_indices(batch, out.sampling_request_ids, num_rows=num_rows)
       step_greedy = self._step_greedy_small if small else self._step_greedy
+      self._wait_for_background_compile(batch)  # never compile the same program twice at once
       self.kv_caches, token_ids, finite = step_greedy(*inputs, indices, self.layer_map)
       token_ids, finite = np.asarray(token_ids), np.asarray(finite)
       check_finite_rows(finite[: len(params)])

@@ -4,16 +4,21 @@ alone in the same engine (nothing else queued), so only the runner's sharing of 
 """
 
 import functools
+import logging
 import threading
 import types
 
 import numpy as np
 import pytest
+from flax import nnx
 
+from maxtext.checkpoint import save_params
 from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
+from maxtext.inference import engine as engine_module
 from maxtext.inference.engine import LLMEngine, check_finite_rows, greedy_token_ids, sampling_logits_indices
 from maxtext.kernels import cpu_gemm
+from maxtext.models import Transformer
 
 # Tiny shapes: one token bucket (16) and one request bucket (8), so each engine compiles its step once (and a
 # request's solo run and its batched run use the same matmul shapes, hence the same rounding).
@@ -265,3 +270,43 @@ def test_small_batch_matmul_kernel_serves_single_cpu_device_decodes_with_the_sam
     # Steps of 2-8 tokens ran as the program compiled with the kernel's options (and only with the kernel on).
     assert bool(small_steps) is expected
   assert tokens[True] == tokens[False]
+
+
+def _checkpointed_engine(tmp_path, name, **overrides):
+  """An engine over an Orbax checkpoint of the model (a loaded model, unlike the tiny configs' dummy weights)."""
+  path = save_params(tmp_path / "ckpt", Transformer(load_config(model_name=name), rngs=nnx.Rngs(1)))
+  return _engine(name, load_parameters_path=path, **overrides)
+
+
+def test_background_compile_serves_the_first_one_token_greedy_step(tmp_path):
+  """A loaded model's one-request greedy decode step compiles while the weights load; decoding then traces no more."""
+  prompt, params = _prompts(2, [6])[0], SamplingParams(max_tokens=5, temperature=0.0)
+  tokens = {}
+  for on in (True, False):
+    engine = _checkpointed_engine(tmp_path / str(on), "qwen3-next-tiny", min_token_bucket=1, background_compile=on)
+    if on:
+      engine._background_compile.join()  # pylint: disable=protected-access
+      assert engine.stats.step_traces == 1  # the one-token step, traced in the thread
+    else:
+      assert engine._background_compile is None and engine.stats.step_traces == 0  # pylint: disable=protected-access
+    tokens[on] = _alone(engine, prompt, params)
+    assert engine.stats.step_traces == 2  # the prompt's 8-token bucket, and the one-token bucket once
+  assert tokens[True] == tokens[False] and len(tokens[True]) == 5
+
+
+def test_a_failed_background_compile_only_logs(tmp_path, monkeypatch, caplog):
+  def broken(*args):
+    raise ValueError("no batch today")
+
+  monkeypatch.setattr(engine_module, "build_batch", broken)
+  with caplog.at_level(logging.WARNING, logger=engine_module.__name__):
+    engine = _checkpointed_engine(tmp_path, "llama-tiny", min_token_bucket=1)
+    engine._background_compile.join()  # pylint: disable=protected-access
+  monkeypatch.undo()
+  assert "compiling the decode step in the background failed (it compiles when first used): no batch today" in caplog.text
+  assert len(_alone(engine, [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))) == 3
+  assert engine.stats.step_traces == 2
+
+
+def test_dummy_weights_start_no_background_compile():
+  assert _engine("llama-tiny")._background_compile is None  # pylint: disable=protected-access

@@ -1,8 +1,8 @@
 """Benchmark: routed experts as the tiled loop (XLA) vs the CPU kernel's rows (`experts_cpu_rows`), side by side.
 
-A chain of `--layers` MoE layers (`x = x + moe(x)`; a softmax top-k router of its own per layer, so routing depends on
-the data as in a model) of Qwen3-Next's decode-benchmark size (16 experts of 512 x 256, top-2, fp32) runs jitted at
-each token count, in two forms:
+A chain of `--layers` MoE layers (`x = x + moe(rms_norm(x))`; a softmax top-k router of its own per layer, so
+routing depends on the data as in a model) of Qwen3-Next's decode-benchmark size (16 experts of 512 x 256, top-2,
+fp32) runs jitted at each token count, in two forms:
   tiled     `kernels.moe.experts_tiled`: the rows sorted by expert, a loop over one-expert tiles (XLA copies each
             tile's expert matrices out of the stacked weights before its products)
   cpu_rows  `kernels.moe.experts_cpu_rows`: every row times its expert's matrices where they lie, through the
@@ -52,11 +52,12 @@ def make_layers(num_layers: int, experts: int, dim: int, mlp: int, seed: int = 0
 
 
 def chain(form: Callable[..., jax.Array], top_k: int, layers: Sequence[dict[str, jax.Array]], x: jax.Array):
-  """`x + moe(x)` through every layer, the experts computed by `form`."""
+  """`x + moe(rms_norm(x))` through every layer, the experts computed by `form`."""
   for layer in layers:
-    weights, indices = route(x @ layer["router"], top_k=top_k, normalize=True)
+    h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    weights, indices = route(h @ layer["router"], top_k=top_k, normalize=True)
     x = x + form(
-        x, weights, indices, layer["gate"], layer["up"], layer["down"], activation=jax.nn.silu, dtype=jnp.float32
+        h, weights, indices, layer["gate"], layer["up"], layer["down"], activation=jax.nn.silu, dtype=jnp.float32
     )
   return x
 

@@ -196,8 +196,11 @@ class LLMEngine:
     self._background_compile: threading.Thread | None = None
     self._background_tokens = padded_num_tokens(1, int(cfg.max_num_batched_tokens), int(cfg.min_token_bucket))
     if cfg.background_compile and not self.model.is_dummy and self.mesh.size == 1:
+      shapes = jax.tree_util.tree_map(
+          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self._state_leaves, self.kv_caches)
+      )
       self._background_compile = threading.Thread(
-          target=self._compile_smallest_greedy_step, args=(self._state_leaves,), name="maxtext-compile", daemon=True
+          target=self._compile_smallest_greedy_step, args=shapes, name="maxtext-compile", daemon=True
       )
       self._background_compile.start()
     if not self.model.is_dummy:
@@ -209,11 +212,12 @@ class LLMEngine:
     else:
       self.state = state
 
-  def _compile_smallest_greedy_step(self, leaves: Sequence[Any]) -> None:
+  def _compile_smallest_greedy_step(self, leaves: Sequence[Any], kv_caches: Sequence[Any]) -> None:
     """Traces and compiles the greedy step of one request and the smallest token bucket (a one-token decode).
 
-    Runs in a thread while the weights load: it needs only shapes, and JAX keeps the trace and the executable,
-    so the first such step finds both. A failure only logs (the step then compiles when first used).
+    Runs in a thread while the weights load: it needs only shapes (`leaves`, `kv_caches`: the parameters' and the
+    caches'), and JAX keeps the trace and the executable, so the first such step finds both. The batch comes from
+    a throwaway scheduler. A failure only logs (the step then compiles when first used).
     """
     try:
       manager = make_kv_cache_manager(self.cfg)
@@ -222,16 +226,22 @@ class LLMEngine:
       out = scheduler.schedule()
       batch = build_batch(self.cfg, out, manager)
       metadata = make_attention_metadata(batch, on_device=False)
-      num_rows = min(batch.padded_num_reqs, batch.padded_num_tokens)
-      indices = sampling_logits_indices(batch, out.sampling_request_ids, num_rows=num_rows)
-      avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
-      kv_caches = jax.eval_shape(manager.allocate_caches)
-      step = self._step_greedy_small if self._is_small(batch) else self._step_greedy
+      step, indices = self._greedy_program(batch, out.sampling_request_ids)
       step.lower(
-          avals, kv_caches, batch.input_ids, metadata, metadata_positions(metadata), indices, self.layer_map
+          leaves, kv_caches, batch.input_ids, metadata, metadata_positions(metadata), indices, self.layer_map
       ).compile()
     except Exception as e:  # pylint: disable=broad-exception-caught  # an optimisation must not break the engine
       logger.warning("compiling the decode step in the background failed (it compiles when first used): %s", e)
+
+  def _greedy_program(self, batch: BatchInputs, sampling_request_ids: Sequence[str]) -> tuple[Any, np.ndarray]:
+    """The fused greedy step program for `batch`, and its logits rows.
+
+    The rows are padded to a size fixed by the step's static shapes (its token and request buckets), so the fused
+    program compiles no more often than the step alone.
+    """
+    num_rows = min(batch.padded_num_reqs, batch.padded_num_tokens)
+    indices = sampling_logits_indices(batch, sampling_request_ids, num_rows=num_rows)
+    return (self._step_greedy_small if self._is_small(batch) else self._step_greedy), indices
 
   def _is_small(self, batch: BatchInputs) -> bool:
     """Whether the step runs the small-batch programs (the CPU kernel's 2-8 tokens)."""
@@ -336,13 +346,8 @@ class LLMEngine:
     requests = {e.request.request_id: e.request for e in out.scheduled}
     params = [requests[rid].sampling_params for rid in out.sampling_request_ids]
     sampled: dict[str, int] = {}
-    small = self._is_small(batch)
     if params and all(p.is_greedy and p.logprobs is None for p in params):
-      # Logits rows padded to a size fixed by the step's static shapes (its token and request buckets), so the
-      # fused program compiles no more often than the step alone.
-      num_rows = min(batch.padded_num_reqs, batch.padded_num_tokens)
-      indices = sampling_logits_indices(batch, out.sampling_request_ids, num_rows=num_rows)
-      step_greedy = self._step_greedy_small if small else self._step_greedy
+      step_greedy, indices = self._greedy_program(batch, out.sampling_request_ids)
       self._wait_for_background_compile(batch)  # never compile the same program twice at once
       self.kv_caches, token_ids, finite = step_greedy(*inputs, indices, self.layer_map)
       token_ids, finite = np.asarray(token_ids), np.asarray(finite)
@@ -350,7 +355,7 @@ class LLMEngine:
       for rid, token in zip(out.sampling_request_ids, token_ids[: len(params)]):
         sampled[rid] = int(token)
     else:
-      self.kv_caches, hidden = (self._step_small if small else self._step)(*inputs, self.layer_map)
+      self.kv_caches, hidden = (self._step_small if self._is_small(batch) else self._step)(*inputs, self.layer_map)
       if params:
         indices = sampling_logits_indices(batch, out.sampling_request_ids)
         logits = np.asarray(self._logits(self._state_leaves, hidden, indices))[: len(params)]

@@ -184,7 +184,7 @@ def applies(rows: int, *dtypes: jnp.dtype) -> bool:
 
   True only inside `enabled()`, for 2 to 8 rows of float32 operands, once `load()` has succeeded.
   """
-  return _ENABLED.get() and MIN_ROWS <= rows <= MAX_ROWS and all(jnp.dtype(d) == jnp.float32 for d in dtypes) and load()
+  return _serves(rows, MIN_ROWS, MAX_ROWS, dtypes)
 
 
 def applies_experts(rows: int, *dtypes: jnp.dtype) -> bool:
@@ -192,7 +192,11 @@ def applies_experts(rows: int, *dtypes: jnp.dtype) -> bool:
 
   True only inside `enabled()`, for 1 to `MAX_EXPERT_ROWS` rows of float32 operands, once `load()` has succeeded.
   """
-  return _ENABLED.get() and 1 <= rows <= MAX_EXPERT_ROWS and all(jnp.dtype(d) == jnp.float32 for d in dtypes) and load()
+  return _serves(rows, 1, MAX_EXPERT_ROWS, dtypes)
+
+
+def _serves(rows: int, low: int, high: int, dtypes: tuple[jnp.dtype, ...]) -> bool:
+  return _ENABLED.get() and low <= rows <= high and all(jnp.dtype(d) == jnp.float32 for d in dtypes) and load()
 
 
 def _call(kind: str, x: jax.Array, w: jax.Array) -> jax.Array:

@@ -12,17 +12,16 @@
 //   maxtext_expert_gemm:   y[r] = x[r] @ w[experts[r]]  (w [E, K, N], one matrix per expert, read where it lies)
 //
 // for any number of rows, grouped by expert into chunks of up to 8 (one read of the matrix per chunk). A product is
-// cut into tasks (ranges of columns, or for narrow weights slices of whole rows of w,
-// each a contiguous stretch of memory) that the calling thread and XLA's intra-op thread pool claim from a shared
-// counter, so a call never waits for a task that has not started: helpers that start late find no task left.
+// cut into tasks (ranges of columns, or slices of whole rows of w, each a contiguous stretch of memory) that the
+// calling thread and XLA's intra-op thread pool claim from a shared counter, so a call never waits for a task that has not started: helpers that start late find no task left.
 // Partial sums are combined in a fixed order, so a result does not depend on the threads; it differs from XLA's dot
 // by float32 rounding only (the Python tests bound the difference against a float64 product).
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -198,6 +197,15 @@ void RowAccumulate(const float* x, const float* w, float* acc, int64_t k_begin, 
   for (; k < k_end; ++k) RowAccumulatePass<1>(x, w, acc, k, n_size, n0, n1 - n0);
 }
 
+// Adds the partial sums of slices 1..slices-1 (each `count` floats, `stride` floats apart) to slice 0's, in slice
+// order, so the total does not depend on which thread summed which slice.
+void AddSlices(float* sum, int64_t slices, int64_t stride, int64_t count) {
+  for (int64_t slice = 1; slice < slices; ++slice) {
+    const float* part = sum + slice * stride;
+    for (int64_t j = 0; j < count; ++j) sum[j] += part[j];
+  }
+}
+
 // Writes acc_buf [n1 - n0][8] into columns [n0, n1) of y [m, N].
 // With `rows`, lane i goes to row rows[i] of y.
 void NNStore(const float* acc_buf, float* y, int64_t m, int64_t n_size, int64_t n0, int64_t n1,
@@ -328,12 +336,7 @@ ffi::Error SmallGemmNN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     const int64_t k_end = c == slices - 1 ? p.k : std::min(p.k, (c + 1) * rows);
     NNAccumulate(p.xt->data(), p.w, base + c * p.n * kLanes, std::min(p.k, c * rows), k_end, p.n, 0, p.n);
   });
-  for (int64_t c = 1; c < slices; ++c) {
-    const float* part = base + c * p.n * kLanes;
-    for (int64_t j = 0; j < p.n * kLanes; j += kLanes) {
-      _mm256_store_ps(base + j, _mm256_add_ps(_mm256_load_ps(base + j), _mm256_load_ps(part + j)));
-    }
-  }
+  AddSlices(base, slices, p.n * kLanes, p.n * kLanes);
   NNStore(base, p.y, p.m, p.n, 0, p.n);
   return ffi::Error::Success();
 }
@@ -351,8 +354,9 @@ ffi::Error SmallGemmNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 // y[r] = x[r] @ w[experts[r]] for r in [0, R): x [R, K], w [E, K, N] (one [K, N] matrix per expert, read in
 // place), experts [R] int32 in [0, E). The rows are grouped by expert in row order and each group is cut into
 // chunks of up to 8 rows, so a chunk reads its expert's matrix once: a single row as a matrix-vector product, more
-// in the lanes like the NN kernel. A chunk's columns are split into blocks when there are few chunks, so both
-// threads have work. Each output element is one sum over K in a fixed order, whatever the threads.
+// in the lanes like the NN kernel. Columns are split into blocks only past the lanes' buffer; when there are few
+// chunks, the rows of w are split into slices, so both threads have work. Slices are added in a fixed order, so a
+// result does not depend on the threads.
 ffi::Error ExpertGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
@@ -430,11 +434,7 @@ ffi::Error ExpertGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     const int64_t n0 = (unit % col_blocks) * width, n1 = std::min(n, n0 + width);
     const int64_t* rows = order->data() + c.begin;
     float* sum = partial_base + unit * slices * width * kLanes;
-    const int64_t used = c.size == 1 ? n1 - n0 : (n1 - n0) * kLanes;
-    for (int64_t slice = 1; slice < slices; ++slice) {
-      const float* part = sum + slice * width * kLanes;
-      for (int64_t j = 0; j < used; ++j) sum[j] += part[j];
-    }
+    AddSlices(sum, slices, width * kLanes, c.size == 1 ? n1 - n0 : (n1 - n0) * kLanes);
     if (c.size == 1) {
       std::memcpy(ys + rows[0] * n + n0, sum, sizeof(float) * (n1 - n0));
     } else {

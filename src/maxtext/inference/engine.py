@@ -199,8 +199,10 @@ class LLMEngine:
       shapes = jax.tree_util.tree_map(
           lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self._state_leaves, self.kv_caches)
       )
+      # Not a daemon: a process that exits (or fails to load the weights) while XLA compiles must wait for it, as
+      # the interpreter's shutdown would otherwise unwind the thread inside XLA's C++ and abort the process.
       self._background_compile = threading.Thread(
-          target=self._compile_smallest_greedy_step, args=shapes, name="maxtext-compile", daemon=True
+          target=self._compile_smallest_greedy_step, args=shapes, name="maxtext-compile", daemon=False
       )
       self._background_compile.start()
     if not self.model.is_dummy:

@@ -7,6 +7,8 @@ with the rows in the lanes of a vector register, and splits the work over XLA's 
 have a third product, `expert_matmul`: each (token, choice) row times its expert's matrix, read where it lies in
 the stacked `[E, K, N]` weights (XLA copies a matrix it slices out of them before multiplying).
 
+The same library holds the paged attention handler (`cpu/paged_attention.cc`), which `cpu_attention.py` serves.
+
 The kernel is C++ shipped as source: `load()` compiles it once per source, JAX version and compiler into
 `kernels/` under this package's cache folder (`$MAXTEXT_CACHE_DIR`, else `~/.cache/maxtext`) with the system C++
 compiler and JAX's FFI headers, then registers its handlers with XLA. Without a compiler, on another CPU, or
@@ -39,13 +41,16 @@ import jax.numpy as jnp
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu") / "small_gemm.cc"
+SOURCE_DIR = Path(__file__).with_name("cpu")
+SOURCES = (SOURCE_DIR / "small_gemm.cc", SOURCE_DIR / "paged_attention.cc")  # one library; parallel.h is shared
+HEADERS = (SOURCE_DIR / "parallel.h",)
 MIN_ROWS, MAX_ROWS = 2, 8  # one row stays on XLA's matrix-vector path, which already reads at the memory bandwidth
 MAX_EXPERT_ROWS = 1024  # (token, choice) rows up to which the routed experts run on the kernel
-_TARGETS = {
+TARGETS = {
     "nn": ("maxtext_small_gemm_nn", "MaxtextSmallGemmNN"),
     "nt": ("maxtext_small_gemm_nt", "MaxtextSmallGemmNT"),
     "experts": ("maxtext_expert_gemm", "MaxtextExpertGemm"),
+    "attention": ("maxtext_paged_attention", "MaxtextPagedAttention"),  # served by cpu_attention.py
 }
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 _ENABLED = contextvars.ContextVar("maxtext_cpu_gemm_enabled", default=False)
@@ -87,9 +92,9 @@ def unsupported_reason(machine: str | None = None, flags: set[str] | None = None
 
 
 def build(compiler: str | None = None, folder: Path | None = None) -> Path:
-  """Compiles `cpu/small_gemm.cc` into a shared library, or returns the one compiled before.
+  """Compiles the kernels' sources (`SOURCES`) into one shared library, or returns the one compiled before.
 
-  The file name carries a hash of the source, the flags, the compiler and the JAX version, so a change of any of
+  The file name carries a hash of the sources, the flags, the compiler and the JAX version, so a change of any of
   them builds anew. The library is written under a temporary name and renamed into place, so processes building
   at the same time (test workers) never load a partial file.
 
@@ -109,22 +114,28 @@ def build(compiler: str | None = None, folder: Path | None = None) -> Path:
   folder = cache_dir() if folder is None else folder
   include = jax.ffi.include_dir()
   key = hashlib.sha256()
-  for part in (SOURCE.read_bytes(), " ".join(_FLAGS).encode(), compiler.encode(), jax.__version__.encode()):
+  for part in (
+      *(f.read_bytes() for f in SOURCES + HEADERS),
+      " ".join(_FLAGS).encode(),
+      compiler.encode(),
+      jax.__version__.encode(),
+  ):
     key.update(part)
-  path = folder / f"small_gemm-{key.hexdigest()[:16]}.so"
+  path = folder / f"maxtext_cpu-{key.hexdigest()[:16]}.so"
   if path.exists():
     return path
   folder.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=folder) as tmp:
     partial = Path(tmp) / path.name
-    command = [compiler, *_FLAGS, f"-I{include}", "-o", str(partial), str(SOURCE)]
+    command = [compiler, *_FLAGS, f"-I{include}", "-o", str(partial), *map(str, SOURCES)]
     try:
       result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
       raise RuntimeError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
     if result.returncode != 0:
       first_lines = " | ".join(result.stderr.strip().splitlines()[:3])
-      raise RuntimeError(f"{compiler} failed (exit status {result.returncode}) building {SOURCE.name}: {first_lines}")
+      names = " and ".join(f.name for f in SOURCES)
+      raise RuntimeError(f"{compiler} failed (exit status {result.returncode}) building {names}: {first_lines}")
     os.replace(partial, path)
   return path
 
@@ -145,7 +156,7 @@ def load() -> bool:
   if library is None:
     logger.warning("small-batch CPU matmul kernel not used (XLA's dot is): %s", reason)
     return False
-  for target, symbol in _TARGETS.values():
+  for target, symbol in TARGETS.values():
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
   return True
 
@@ -179,6 +190,11 @@ def enabled(on: bool = True) -> Iterator[None]:
     _ENABLED.reset(token)
 
 
+def active() -> bool:
+  """Whether this trace point is inside `enabled()` (the kernels may be chosen)."""
+  return _ENABLED.get()
+
+
 def applies(rows: int, *dtypes: jnp.dtype) -> bool:
   """Whether a product of `rows` rows with these operand dtypes should use the kernel at this trace point.
 
@@ -196,7 +212,7 @@ def applies_experts(rows: int, *dtypes: jnp.dtype) -> bool:
 
 
 def _serves(rows: int, low: int, high: int, dtypes: tuple[jnp.dtype, ...]) -> bool:
-  return _ENABLED.get() and low <= rows <= high and all(jnp.dtype(d) == jnp.float32 for d in dtypes) and load()
+  return active() and low <= rows <= high and all(jnp.dtype(d) == jnp.float32 for d in dtypes) and load()
 
 
 def _call(kind: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -210,7 +226,7 @@ def _call(kind: str, x: jax.Array, w: jax.Array) -> jax.Array:
   if x.dtype != jnp.float32 or w.dtype != jnp.float32:
     raise ValueError(f"small-batch matmul takes float32 operands, got x {x.dtype} and w {w.dtype}")
   out = jax.ShapeDtypeStruct((x.shape[0], w.shape[n_axis]), jnp.float32)
-  return jax.ffi.ffi_call(_TARGETS[kind][0], out)(x, w)
+  return jax.ffi.ffi_call(TARGETS[kind][0], out)(x, w)
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -272,4 +288,4 @@ def expert_matmul(x: jax.Array, w: jax.Array, experts: jax.Array) -> jax.Array:
         f"expert matmul takes float32 x and w and int32 experts; got {x.dtype}, {w.dtype} and {experts.dtype}"
     )
   out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
-  return jax.ffi.ffi_call(_TARGETS["experts"][0], out)(x, w, experts)
+  return jax.ffi.ffi_call(TARGETS["experts"][0], out)(x, w, experts)

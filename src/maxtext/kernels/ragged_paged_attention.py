@@ -13,14 +13,16 @@ the head dim and the keys, which XLA on CPU fuses with the gather instead of tra
 batched matmul. Items run vectorised, in batches that keep the gathered pages and scores of a batch under
 `_GATHER_BUDGET_BYTES`. Reading every page of a request and masking beyond the query position keeps all shapes
 static; the cost of a query is that of attending over `P * block_size` keys, fine for the models this backend
-runs on CPU. A TPU backend replaces this function as a whole (same signature and cache layout).
+runs on CPU. A TPU backend replaces this function as a whole (same signature and cache layout). In the engine's
+step programs on one CPU device, a float32 attention goes to the CPU kernel instead (`cpu_attention.py`), which
+reads only the keys each query sees.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtext.kernels import kv_cache_layout
+from maxtext.kernels import cpu_attention, kv_cache_layout
 from maxtext.kernels import ragged_batch
 
 # Upper bound on the gathered pages and scores of the work items vectorised together (bytes); sets `items_per_batch`.
@@ -183,8 +185,6 @@ def ragged_paged_attention(
   num_seqs = kv_lens.shape[0]
   pages_per_seq = page_indices.shape[0] // num_seqs
   max_kv_len = pages_per_seq * block_size
-  if mask_value is None:
-    mask_value = float(jnp.finfo(jnp.float32).min)
   if query_block_size is None:
     query_block_size = default_query_block_size(num_tokens, num_seqs)
 
@@ -205,6 +205,26 @@ def ragged_paged_attention(
     flat_cache = kv_cache.reshape(num_blocks * block_size, *kv_cache.shape[2:])
     new_cache = ragged_batch.set_rows(flat_cache, flat_rows, rows).reshape(kv_cache.shape)
 
+  if cpu_attention.applies(
+      q.dtype, new_cache.dtype, mask_value=mask_value, soft_cap=soft_cap, sliding_window=sliding_window
+  ):
+    # Engine steps on one CPU device: the kernel reads only the keys each token sees, in place.
+    out = cpu_attention.attend(
+        q,
+        new_cache,
+        kv_lens.astype(jnp.int32),
+        page_indices,
+        cu_q_lens.astype(jnp.int32),
+        distribution.astype(jnp.int32),
+        num_kv_heads=num_kv_heads,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        sinks=sinks,
+    )
+    return out, new_cache
+  if mask_value is None:
+    mask_value = float(jnp.finfo(jnp.float32).min)
   out = _attend(
       q,
       new_cache,

@@ -17,7 +17,7 @@ from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.inference import engine as engine_module
 from maxtext.inference.engine import LLMEngine, check_finite_rows, greedy_token_ids, sampling_logits_indices
-from maxtext.kernels import cpu_gemm
+from maxtext.kernels import cpu_attention, cpu_gemm
 from maxtext.models import Transformer
 
 # Tiny shapes: one token bucket (16) and one request bucket (8), so each engine compiles its step once (and a
@@ -247,15 +247,19 @@ def _recorded(program, calls, *args):
 
 @pytest.mark.parametrize("mesh", [{}, {"ici_tensor_parallelism": 2}])
 def test_small_batch_matmul_kernel_serves_single_cpu_device_decodes_with_the_same_tokens(monkeypatch, mesh):
-  """Decode steps of 2-8 requests take the kernel on one CPU device (not across devices) and keep the tokens."""
-  traced = []
+  """Decode steps of 2-8 requests take the kernel on one CPU device (not across devices) and keep the tokens; the
+  attention of every step program takes the attention kernel there."""
+  traced, attended = [], []
   real = cpu_gemm.matmul
   monkeypatch.setattr(cpu_gemm, "matmul", lambda x, w: traced.append(x.shape) or real(x, w))
+  real_attend = cpu_attention.attend
+  monkeypatch.setattr(cpu_attention, "attend", lambda q, *a, **k: attended.append(q.shape) or real_attend(q, *a, **k))
   prompts = _prompts(5, [5, 9, 3])
   params = SamplingParams(max_tokens=6, temperature=0.0)
   tokens = {}
   for on in (True, False):
     traced.clear()
+    attended.clear()
     engine = _engine("llama-tiny", cpu_small_matmul=on, min_token_bucket=1, **mesh)
     expected = on and not mesh and cpu_gemm.unsupported_reason() is None
     assert engine.use_cpu_gemm is expected
@@ -267,6 +271,8 @@ def test_small_batch_matmul_kernel_serves_single_cpu_device_decodes_with_the_sam
     done = _run(engine)
     tokens[on] = [done[i].output_token_ids for i in ids]
     assert bool(traced) is expected and all(2 <= rows <= 8 for rows, _ in traced)
+    assert bool(attended) is expected
+    assert not expected or max(num_tokens for num_tokens, _, _ in attended) > 8  # the prefill programs' too
     # Steps of 2-8 tokens ran as the program compiled with the kernel's options (and only with the kernel on).
     assert bool(small_steps) is expected
   assert tokens[True] == tokens[False]

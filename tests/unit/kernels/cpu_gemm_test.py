@@ -1,6 +1,9 @@
 """Tests for the small-batch CPU matmul kernel: build, registration, numerics against float64 NumPy, dispatch."""
 
+import fnmatch
 import logging
+import tomllib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +63,18 @@ def test_build_reuses_the_library_and_rebuilds_for_another_compiler(tmp_path):
 def test_build_names_a_missing_or_failing_compiler(tmp_path):
   with pytest.raises(RuntimeError, match=r"cannot run the C\+\+ compiler '/nonexistent/c\+\+'"):
     cpu_gemm.build(compiler="/nonexistent/c++", folder=tmp_path)
-  with pytest.raises(RuntimeError, match=r"false failed \(exit status 1\) building small_gemm.cc"):
+  with pytest.raises(RuntimeError, match=r"false failed \(exit status 1\) building small_gemm.cc and paged_attention.cc"):
     cpu_gemm.build(compiler="false", folder=tmp_path)
+
+
+def test_every_kernel_source_is_built_and_shipped():
+  """Each file of `kernels/cpu/` is compiled (or included) into the library and listed in the package data."""
+  files = {p.name for p in cpu_gemm.SOURCE_DIR.iterdir()}
+  assert files == {p.name for p in cpu_gemm.SOURCES + cpu_gemm.HEADERS}
+  pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text(encoding="utf-8"))
+  patterns = pyproject["tool"]["setuptools"]["package-data"]["maxtext"]
+  for name in files:
+    assert any(fnmatch.fnmatch(f"kernels/cpu/{name}", pattern) for pattern in patterns), name
 
 
 def test_build_without_any_compiler(tmp_path, monkeypatch):

@@ -12,26 +12,26 @@
 //   maxtext_expert_gemm:   y[r] = x[r] @ w[experts[r]]  (w [E, K, N], one matrix per expert, read where it lies)
 //
 // for any number of rows, grouped by expert into chunks of up to 8 (one read of the matrix per chunk). A product is
-// cut into tasks (ranges of columns, or slices of whole rows of w, each a contiguous stretch of memory) that the
-// calling thread and XLA's intra-op thread pool claim from a shared counter, so a call never waits for a task that has not started: helpers that start late find no task left.
+// cut into tasks (ranges of columns, or slices of whole rows of w, each a contiguous stretch of memory) shared by
+// the calling thread and XLA's intra-op thread pool (parallel.h).
 // Partial sums are combined in a fixed order, so a result does not depend on the threads; it differs from XLA's dot
 // by float32 rounding only (the Python tests bound the difference against a float64 product).
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using maxtext_cpu::ParallelChunks;
 
 namespace {
 
@@ -48,26 +48,6 @@ constexpr int64_t kChunkNT = 512;  // columns (rows of w) per task in the NT ker
 // kMinExpertSlice rows.
 constexpr int64_t kMinExpertTasks = 4;
 constexpr int64_t kMinExpertSlice = 64;
-
-// Runs `body(chunk)` for chunk in [0, num_chunks) on the calling thread and the pool's threads.
-template <typename Body>
-void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, Body body) {
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto work = [shared, num_chunks, body]() {
-    for (int64_t c = shared->next.fetch_add(1); c < num_chunks; c = shared->next.fetch_add(1)) {
-      body(c);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), num_chunks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
-  work();
-  while (shared->done.load(std::memory_order_acquire) < num_chunks) std::this_thread::yield();
-}
 
 // The first 32-byte aligned float of a buffer allocated with kLanes floats to spare.
 inline float* Align32(float* data) {

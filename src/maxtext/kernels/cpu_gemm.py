@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = (SOURCE_DIR / "small_gemm.cc", SOURCE_DIR / "paged_attention.cc")  # one library; parallel.h is shared
 HEADERS = (SOURCE_DIR / "parallel.h",)
-MIN_ROWS, MAX_ROWS = 2, 8  # one row stays on XLA's matrix-vector path, which already reads at the memory bandwidth
+MIN_ROWS, MAX_ROWS = 2, 8  # one row stays on XLA's matrix-vector path (but a tied head's one row: `applies_head`)
 MAX_EXPERT_ROWS = 1024  # (token, choice) rows up to which the routed experts run on the kernel
 TARGETS = {
     "nn": ("maxtext_small_gemm_nn", "MaxtextSmallGemmNN"),
@@ -203,6 +203,16 @@ def applies(rows: int, *dtypes: jnp.dtype) -> bool:
   return _serves(rows, MIN_ROWS, MAX_ROWS, dtypes)
 
 
+def applies_head(rows: int, *dtypes: jnp.dtype) -> bool:
+  """Whether a tied output head over `rows` rows should use `matmul_transposed` at this trace point.
+
+  True only inside `enabled()`, for 1 to 8 rows of float32 operands, once `load()` has succeeded. Unlike `applies`,
+  one row counts: XLA's dot reads a `[V, D]` table against a single row below the bandwidth, the kernel streams
+  each of its row ranges front to back.
+  """
+  return _serves(rows, 1, MAX_ROWS, dtypes)
+
+
 def applies_experts(rows: int, *dtypes: jnp.dtype) -> bool:
   """Whether routed experts over `rows` (token, choice) rows should use `expert_matmul` at this trace point.
 
@@ -247,6 +257,8 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def matmul_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
   """`x @ w.T` by the kernel (call `load()` first): a tied output head over its `[V, D]` table.
+
+  One row is a dot product per row of `w`, each task streaming a range of rows front to back.
 
   Args:
     x: `[M, K]` float32, 1 <= M <= 8.

@@ -131,6 +131,8 @@ _SHAPES = [
     (8, 1536, 512),
     (8, 512, 32000),
     (2, 512, 4100),
+    (1, 512, 32000),  # one row: the transposed kernel's dot-product path
+    (1, 45, 1030),  # ... with a K tail past the 32-float blocks and a partial last task
 ]
 
 
@@ -186,6 +188,8 @@ def test_applies_only_inside_enabled_for_two_to_eight_float32_rows():
   assert not cpu_gemm.applies(4, jnp.float32, jnp.float32)
   with cpu_gemm.enabled():
     assert [cpu_gemm.applies(r, jnp.float32, jnp.float32) for r in (1, 2, 8, 9)] == [False, True, True, False]
+    assert [cpu_gemm.applies_head(r, jnp.float32, jnp.float32) for r in (0, 1, 8, 9)] == [False, True, True, False]
+    assert not cpu_gemm.applies_head(1, jnp.float32, jnp.bfloat16)
     assert not cpu_gemm.applies(4, jnp.bfloat16, jnp.float32)
     with cpu_gemm.enabled(False):
       assert not cpu_gemm.applies(4, jnp.float32, jnp.float32)
@@ -224,16 +228,17 @@ def test_dense_general_takes_the_kernel_for_small_batches_only(rows):
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape", [(3, 32), (2, 2, 32)])
+@pytest.mark.parametrize("shape", [(3, 32), (2, 2, 32), (1, 32), (1, 1, 37)])
 def test_tied_head_takes_the_transposed_kernel(shape):
   rng = np.random.default_rng(7)
   table = jnp.asarray(rng.standard_normal((100, 32)), jnp.float32)
+  table = table[:, : shape[-1]] if shape[-1] <= 32 else jnp.asarray(rng.standard_normal((100, shape[-1])), jnp.float32)
   x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
   with cpu_gemm.enabled():
     assert _uses_kernel(lambda t, h: embeddings.attend(t, h, dtype=jnp.float32), table, x)
     logits = embeddings.attend(table, x, dtype=jnp.float32)
   assert logits.shape == shape[:-1] + (100,)
-  want = _reference(np.asarray(x).reshape(-1, 32), np.asarray(table).T).reshape(shape[:-1] + (100,))
+  want = _reference(np.asarray(x).reshape(-1, shape[-1]), np.asarray(table).T).reshape(shape[:-1] + (100,))
   _close(logits, want)
 
 

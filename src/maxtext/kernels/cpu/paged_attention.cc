@@ -4,9 +4,10 @@
 //
 // The pure-JAX attention gathers every page of a request's block table, padded to the table's length, and
 // computes scores for all of those positions before masking them. This kernel reads, in place, only the cache rows
-// of the keys a token attends to (its request's positions up to its own, within the sliding window), one
-// (token, KV head) pair at a time: the scores of the pair's query heads, their softmax and the weighted sum of the
-// values. The cache holds this step's keys and values already (XLA writes them first).
+// of the keys a token attends to (its request's positions up to its own, within the sliding window), one token at a
+// time: each key's row (all KV heads, contiguous in its page) once for the scores of every query head and once for
+// the weighted sum of the values, with the softmax between. The cache holds this step's keys and values already
+// (XLA writes them first).
 //
 // Inputs, as the runner passes them (see ragged_paged_attention.py):
 //   q [T, Hq, d]; cache [N, block_size, R, 1, dp] (float32: one value per 32-bit word);
@@ -34,8 +35,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Below this many multiply-adds (tokens x KV heads x visible keys x head dim, bounded above) a call runs on the
-// calling thread alone: waking a helper costs more than the work.
+// Below this many multiply-adds (tokens x query heads x visible keys x head dim, bounded above) a call runs on
+// the calling thread alone: waking a helper costs more than the work.
 constexpr int64_t kMinParallelWork = int64_t{1} << 18;
 
 inline float Dot(const float* a, const float* b, int64_t d) {
@@ -93,52 +94,55 @@ bool Locate(const Problem& p, int64_t t, int64_t* request, int64_t* position) {
   return true;
 }
 
-// The query heads of KV head `h` for token `t`: out[t, h * G + g] for g in [0, G).
-void AttendPair(const Problem& p, int64_t t, int64_t h, std::vector<float>& scratch) {
-  const int64_t d = p.head_dim, group = p.group;
-  float* out = p.out + (t * p.num_q_heads + h * group) * d;
+// Every query head of token `t`: out[t]. The keys are walked in position order, each reading its token's cache
+// row (all KV heads, one contiguous stretch of a page) once for the scores and once for the weighted sum.
+void AttendToken(const Problem& p, int64_t t, std::vector<float>& scratch) {
+  const int64_t d = p.head_dim, group = p.group, heads = p.num_q_heads;
+  float* out = p.out + t * heads * d;
+  std::memset(out, 0, sizeof(float) * heads * d);
   int64_t request, pos;
-  if (!Locate(p, t, &request, &pos)) {
-    std::memset(out, 0, sizeof(float) * group * d);
-    return;
-  }
+  if (!Locate(p, t, &request, &pos)) return;
   const int64_t first = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
   const int64_t keys = pos - first + 1;
-  scratch.resize(keys * group);
-  float* scores = scratch.data();  // [keys][group]
-  const float* q = p.q + (t * p.num_q_heads + h * group) * d;
+  scratch.resize(heads * keys);
+  float* scores = scratch.data();  // [Hq][keys]
+  const float* q = p.q + t * heads * d;
   const int32_t* pages = p.page_indices + request * p.pages_per_seq;
-  auto row = [&](int64_t key) {
+  auto row = [&](int64_t key) {  // the token row of position `key`: KV head h starts h * head_stride floats in
     int64_t page = pages[key / p.block_size];
     if (page < 0) page += p.num_blocks;  // as JAX indexing reads a negative index, then clamps
     page = std::clamp<int64_t>(page, 0, p.num_blocks - 1);
-    return p.cache + page * p.page_stride + (key % p.block_size) * p.token_stride + h * p.head_stride;
+    return p.cache + page * p.page_stride + (key % p.block_size) * p.token_stride;
   };
   for (int64_t j = 0; j < keys; ++j) {
-    const float* k = row(first + j);
-    for (int64_t g = 0; g < group; ++g) {
-      float s = Dot(q + g * d, k, d) * p.sm_scale;
+    const float* r = row(first + j);
+    for (int64_t h = 0; h < heads; ++h) {
+      float s = Dot(q + h * d, r + (h / group) * p.head_stride, d) * p.sm_scale;
       if (p.soft_cap != 0.0f) s = p.soft_cap * std::tanh(s / p.soft_cap);
-      scores[j * group + g] = s;
+      scores[h * keys + j] = s;
     }
   }
-  std::memset(out, 0, sizeof(float) * group * d);
-  for (int64_t g = 0; g < group; ++g) {
+  std::vector<float> inv_denom(heads);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* e = scores + h * keys;
     float row_max = -INFINITY;
-    for (int64_t j = 0; j < keys; ++j) row_max = std::max(row_max, scores[j * group + g]);
-    const float sink = p.sinks != nullptr ? p.sinks[h * group + g] : 0.0f;
+    for (int64_t j = 0; j < keys; ++j) row_max = std::max(row_max, e[j]);
+    const float sink = p.sinks != nullptr ? p.sinks[h] : 0.0f;
     if (p.sinks != nullptr) row_max = std::max(row_max, sink);
     float denom = 0.0f;
     for (int64_t j = 0; j < keys; ++j) {
-      const float e = std::exp(scores[j * group + g] - row_max);
-      scores[j * group + g] = e;
-      denom += e;
+      e[j] = std::exp(e[j] - row_max);
+      denom += e[j];
     }
     if (p.sinks != nullptr) denom += std::exp(sink - row_max);
-    float* acc = out + g * d;
-    for (int64_t j = 0; j < keys; ++j) Axpy(scores[j * group + g], row(first + j) + p.v_offset, acc, d);
-    const float inv = 1.0f / denom;
-    for (int64_t i = 0; i < d; ++i) acc[i] *= inv;
+    inv_denom[h] = 1.0f / denom;
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* r = row(first + j) + p.v_offset;
+    for (int64_t h = 0; h < heads; ++h) Axpy(scores[h * keys + j], r + (h / group) * p.head_stride, out + h * d, d);
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t i = 0; i < d; ++i) out[h * d + i] *= inv_denom[h];
   }
 }
 
@@ -195,17 +199,16 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   p.sm_scale = sm_scale;
   p.soft_cap = soft_cap;
   p.window = std::max<int64_t>(0, sliding_window);
-  const int64_t pairs = p.num_tokens * num_kv_heads;
   int64_t visible = p.pages_per_seq * p.block_size;
   if (p.window > 0) visible = std::min(visible, p.window);
-  if (pairs * visible * p.group * p.head_dim < kMinParallelWork) {
+  if (p.num_tokens * visible * p.num_q_heads * p.head_dim < kMinParallelWork) {
     std::vector<float> scratch;
-    for (int64_t pair = 0; pair < pairs; ++pair) AttendPair(p, pair / num_kv_heads, pair % num_kv_heads, scratch);
+    for (int64_t t = 0; t < p.num_tokens; ++t) AttendToken(p, t, scratch);
     return ffi::Error::Success();
   }
-  maxtext_cpu::ParallelChunks(pool, pairs, [p, num_kv_heads](int64_t pair) {
+  maxtext_cpu::ParallelChunks(pool, p.num_tokens, [p](int64_t t) {
     thread_local std::vector<float> scratch;
-    AttendPair(p, pair / num_kv_heads, pair % num_kv_heads, scratch);
+    AttendToken(p, t, scratch);
   });
   return ffi::Error::Success();
 }

@@ -7,7 +7,8 @@
 //   maxtext_small_gemm_nn: y[M, N] = x[M, K] @ w[K, N]    (w row-major, as the dense layers store their kernels)
 //   maxtext_small_gemm_nt: y[M, N] = x[M, K] @ w[N, K]^T  (w row-major, as a tied output head stores the table)
 //
-// with 1 <= M <= 8, and for routed experts
+// with 1 <= M <= 8 (one row of the NT product is a dot product per row of w, each task streaming a range of rows
+// front to back: interleaved streams of short rows read well below the bandwidth), and for routed experts
 //
 //   maxtext_expert_gemm:   y[r] = x[r] @ w[experts[r]]  (w [E, K, N], one matrix per expert, read where it lies)
 //
@@ -44,6 +45,7 @@ constexpr int64_t kMaxChunkNN = 2048;
 constexpr int64_t kRowsPerSlice = 128;
 constexpr int64_t kMaxSlices = 8;
 constexpr int64_t kChunkNT = 512;  // columns (rows of w) per task in the NT kernel (multiple of 8)
+constexpr int64_t kRowChunkNT = 1024;  // the same for one row of x (each task then reads K * 4 KiB of w)
 // The expert kernel splits the rows of w into slices until it has kMinExpertTasks tasks, slices of at least
 // kMinExpertSlice rows.
 constexpr int64_t kMinExpertTasks = 4;
@@ -258,6 +260,28 @@ void NTChunk(const float* xt, const float* w, float* y, int64_t m, int64_t k_siz
   }
 }
 
+// One row: y[n] = x . w[n] for n in [n0, n1), w [N, K] row-major, read front to back as one stream (several
+// interleaved streams of short rows read well below the bandwidth); x stays in the cache.
+void NTRowChunk(const float* x, const float* w, float* y, int64_t k_size, int64_t n0, int64_t n1) {
+  const int64_t k32 = k_size / 32 * 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wn = w + n * k_size;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < k32; k += 32) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k), _mm256_loadu_ps(x + k), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    float sum = _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1)));
+    for (int64_t k = k32; k < k_size; ++k) sum = std::fma(x[k], wn[k], sum);
+    y[n] = sum;
+  }
+}
+
 // A product's sizes and operands: x transposed into lanes, w and y in place.
 struct Product {
   int64_t m, k, n;
@@ -325,6 +349,13 @@ ffi::Error SmallGemmNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
                        ffi::ResultBuffer<ffi::F32> y) {
   Product p;
   if (ffi::Error error = Prepare(x, w, y, true, &p); error.failure()) return error;
+  if (p.m == 1) {
+    const float* xs = x.typed_data();
+    ParallelChunks(pool, (p.n + kRowChunkNT - 1) / kRowChunkNT, [p, xs](int64_t c) {
+      NTRowChunk(xs, p.w, p.y, p.k, c * kRowChunkNT, std::min(p.n, (c + 1) * kRowChunkNT));
+    });
+    return ffi::Error::Success();
+  }
   ParallelChunks(pool, (p.n + kChunkNT - 1) / kChunkNT, [p](int64_t c) {
     NTChunk(p.xt->data(), p.w, p.y, p.m, p.k, p.n, c * kChunkNT, std::min(p.n, (c + 1) * kChunkNT));
   });

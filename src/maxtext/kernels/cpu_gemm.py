@@ -1,9 +1,10 @@
 """Small-batch fp32 matrix products on x86-64 CPUs: an AVX2 kernel called from XLA programs through XLA's FFI.
 
 A decode step multiplies one row per request by every weight matrix. XLA's CPU dot packs the weight matrix on every
-call, so with 2 to 8 rows it reads weights at well under the memory bandwidth (a single row takes its
-matrix-vector path, which does not pack and is left to XLA). `cpu/small_gemm.cc` reads each weight once, in place,
-with the rows in the lanes of a vector register, and splits the work over XLA's intra-op threads. Routed experts
+call, so with 2 to 8 rows it reads weights at well under the memory bandwidth, and its matrix-vector path for one
+row reads about two thirds of it. `cpu/small_gemm.cc` reads each weight once, in place: 2 to 8 rows in the lanes
+of a vector register, one row as one front-to-back stream per slice of the matrix's rows, and splits the work
+between the calling thread and the library's helper threads (`cpu/parallel.h`). Routed experts
 have a third product, `expert_matmul`: each (token, choice) row times its expert's matrix, read where it lies in
 the stacked `[E, K, N]` weights (XLA copies a matrix it slices out of them before multiplying).
 
@@ -44,7 +45,9 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = (SOURCE_DIR / "small_gemm.cc", SOURCE_DIR / "paged_attention.cc")  # one library; parallel.h is shared
 HEADERS = (SOURCE_DIR / "parallel.h",)
-MIN_ROWS, MAX_ROWS = 2, 8  # one row stays on XLA's matrix-vector path (but a tied head's one row: `applies_head`)
+MAX_ROWS = 8  # rows of x the small-batch products take (one row is a matrix-vector product)
+# Steps of this many tokens compile without YNNPACK's fusions (`small_batch_compiler_options`).
+MIN_ROWS = 2
 MAX_EXPERT_ROWS = 1024  # (token, choice) rows up to which the routed experts run on the kernel
 TARGETS = {
     "nn": ("maxtext_small_gemm_nn", "MaxtextSmallGemmNN"),
@@ -198,17 +201,7 @@ def active() -> bool:
 def applies(rows: int, *dtypes: jnp.dtype) -> bool:
   """Whether a product of `rows` rows with these operand dtypes should use the kernel at this trace point.
 
-  True only inside `enabled()`, for 2 to 8 rows of float32 operands, once `load()` has succeeded.
-  """
-  return _serves(rows, MIN_ROWS, MAX_ROWS, dtypes)
-
-
-def applies_head(rows: int, *dtypes: jnp.dtype) -> bool:
-  """Whether a tied output head over `rows` rows should use `matmul_transposed` at this trace point.
-
-  True only inside `enabled()`, for 1 to 8 rows of float32 operands, once `load()` has succeeded. Unlike `applies`,
-  one row counts: XLA's dot reads a `[V, D]` table against a single row below the bandwidth, the kernel streams
-  each of its row ranges front to back.
+  True only inside `enabled()`, for 1 to 8 rows of float32 operands, once `load()` has succeeded.
   """
   return _serves(rows, 1, MAX_ROWS, dtypes)
 

@@ -42,7 +42,7 @@ def attend(embedding: jax.Array, x: jax.Array, *, dtype: jnp.dtype) -> jax.Array
   """
   x, embedding = x.astype(dtype), embedding.astype(dtype)
   rows = math.prod(x.shape[:-1])
-  if cpu_gemm.applies_head(rows, x.dtype, embedding.dtype):
+  if cpu_gemm.applies(rows, x.dtype, embedding.dtype):
     return cpu_gemm.matmul_transposed(x.reshape(rows, x.shape[-1]), embedding).reshape(x.shape[:-1] + (-1,))
   return jnp.einsum("...d,vd->...v", x, embedding)
 

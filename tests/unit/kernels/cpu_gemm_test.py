@@ -131,8 +131,9 @@ _SHAPES = [
     (8, 1536, 512),
     (8, 512, 32000),
     (2, 512, 4100),
-    (1, 512, 32000),  # one row: the transposed kernel's dot-product path
-    (1, 45, 1030),  # ... with a K tail past the 32-float blocks and a partial last task
+    (1, 512, 32000),  # one row: a stream per row slice (NN), a dot product per row of w (NT)
+    (1, 45, 1030),  # ... with K tails (past 8 and 32 floats) and a partial last task
+    (1, 1536, 517),  # ... 8 row slices of w, N past a multiple of 16
 ]
 
 
@@ -184,12 +185,10 @@ def test_matmul_transposed_checks_the_inner_size_of_the_table():
 
 
 @needs_kernel
-def test_applies_only_inside_enabled_for_two_to_eight_float32_rows():
+def test_applies_only_inside_enabled_for_one_to_eight_float32_rows():
   assert not cpu_gemm.applies(4, jnp.float32, jnp.float32)
   with cpu_gemm.enabled():
-    assert [cpu_gemm.applies(r, jnp.float32, jnp.float32) for r in (1, 2, 8, 9)] == [False, True, True, False]
-    assert [cpu_gemm.applies_head(r, jnp.float32, jnp.float32) for r in (0, 1, 8, 9)] == [False, True, True, False]
-    assert not cpu_gemm.applies_head(1, jnp.float32, jnp.bfloat16)
+    assert [cpu_gemm.applies(r, jnp.float32, jnp.float32) for r in (0, 1, 8, 9)] == [False, True, True, False]
     assert not cpu_gemm.applies(4, jnp.bfloat16, jnp.float32)
     with cpu_gemm.enabled(False):
       assert not cpu_gemm.applies(4, jnp.float32, jnp.float32)
@@ -217,7 +216,7 @@ def test_dense_general_takes_the_kernel_for_small_batches_only(rows):
     return y, linears.dense_general(y, w_in, bias, num_in_axes=1, dtype=jnp.float32)
 
   with cpu_gemm.enabled():
-    assert _uses_kernel(project, x, w_out, w_in, bias) == (2 <= rows <= 8)
+    assert _uses_kernel(project, x, w_out, w_in, bias) == (1 <= rows <= 8)
     y, z = jax.jit(project)(x, w_out, w_in, bias)
   assert not _uses_kernel(project, x, w_out, w_in, bias)
   want_y = _reference(np.asarray(x).reshape(rows, 64), np.asarray(w_out).reshape(64, 24))

@@ -146,7 +146,7 @@ void AttendToken(const Problem& p, int64_t t, std::vector<float>& scratch) {
   }
 }
 
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache,
+ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache,
                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                           ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> distribution,
                           ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
@@ -206,7 +206,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     for (int64_t t = 0; t < p.num_tokens; ++t) AttendToken(p, t, scratch);
     return ffi::Error::Success();
   }
-  maxtext_cpu::ParallelChunks(pool, p.num_tokens, [p](int64_t t) {
+  maxtext_cpu::ParallelChunks(p.num_tokens, [p](int64_t t) {
     thread_local std::vector<float> scratch;
     AttendToken(p, t, scratch);
   });
@@ -217,7 +217,6 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextPagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens

@@ -14,7 +14,7 @@
 //
 // for any number of rows, grouped by expert into chunks of up to 8 (one read of the matrix per chunk). A product is
 // cut into tasks (ranges of columns, or slices of whole rows of w, each a contiguous stretch of memory) shared by
-// the calling thread and XLA's intra-op thread pool (parallel.h).
+// the calling thread and this library's helper threads (parallel.h).
 // Partial sums are combined in a fixed order, so a result does not depend on the threads; it differs from XLA's dot
 // by float32 rounding only (the Python tests bound the difference against a float64 product).
 
@@ -142,41 +142,23 @@ void NNAccumulate(const float* xt, const float* w, float* acc_buf, int64_t k_beg
   }
 }
 
-// One row: adds rows [k_begin, k_end) x columns [n0, n1) of x @ w to acc [n1 - n0]; x [K], w [K, N]. kRowsPerPass
-// rows of w per pass over the columns: that many streams in flight (fewer leave a core well below the bandwidth),
-// and each 16 columns of acc are loaded and stored once per pass.
-template <int kRowsPerPass>
-void RowAccumulatePass(const float* x, const float* w, float* acc, int64_t k, int64_t n_size, int64_t n0,
-                       int64_t width) {
-  __m256 xs[kRowsPerPass];
-  const float* ws[kRowsPerPass];
-  for (int r = 0; r < kRowsPerPass; ++r) {
-    xs[r] = _mm256_set1_ps(x[k + r]);
-    ws[r] = w + (k + r) * n_size + n0;
-  }
-  int64_t j = 0;
-  for (; j + 16 <= width; j += 16) {
-    __m256 a = _mm256_loadu_ps(acc + j), b = _mm256_loadu_ps(acc + j + 8);
-    for (int r = 0; r < kRowsPerPass; ++r) {
-      a = _mm256_fmadd_ps(xs[r], _mm256_loadu_ps(ws[r] + j), a);
-      b = _mm256_fmadd_ps(xs[r], _mm256_loadu_ps(ws[r] + j + 8), b);
-    }
-    _mm256_storeu_ps(acc + j, a);
-    _mm256_storeu_ps(acc + j + 8, b);
-  }
-  for (; j < width; ++j) {
-    float a = acc[j];
-    for (int r = 0; r < kRowsPerPass; ++r) a = std::fma(x[k + r], ws[r][j], a);
-    acc[j] = a;
-  }
-}
-
+// One row: adds rows [k_begin, k_end) x columns [n0, n1) of x @ w to acc [n1 - n0]; x [K], w [K, N]. The rows of
+// w are read one after the other, front to back: when the columns span whole rows, that is one stream through
+// contiguous memory, which a core reads near the bandwidth (several interleaved row streams read well below it,
+// the shorter the rows the further). acc stays in the cache.
 void RowAccumulate(const float* x, const float* w, float* acc, int64_t k_begin, int64_t k_end, int64_t n_size,
                    int64_t n0, int64_t n1) {
-  constexpr int kPass = 16;
-  int64_t k = k_begin;
-  for (; k + kPass <= k_end; k += kPass) RowAccumulatePass<kPass>(x, w, acc, k, n_size, n0, n1 - n0);
-  for (; k < k_end; ++k) RowAccumulatePass<1>(x, w, acc, k, n_size, n0, n1 - n0);
+  const int64_t width = n1 - n0;
+  for (int64_t k = k_begin; k < k_end; ++k) {
+    const __m256 xk = _mm256_set1_ps(x[k]);
+    const float* wk = w + k * n_size + n0;
+    int64_t j = 0;
+    for (; j + 16 <= width; j += 16) {
+      _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(xk, _mm256_loadu_ps(wk + j), _mm256_loadu_ps(acc + j)));
+      _mm256_storeu_ps(acc + j + 8, _mm256_fmadd_ps(xk, _mm256_loadu_ps(wk + j + 8), _mm256_loadu_ps(acc + j + 8)));
+    }
+    for (; j < width; ++j) acc[j] = std::fma(x[k], wk[j], acc[j]);
+  }
 }
 
 // Adds the partial sums of slices 1..slices-1 (each `count` floats, `stride` floats apart) to slice 0's, in slice
@@ -313,14 +295,30 @@ ffi::Error Prepare(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w, ffi::Resu
   return ffi::Error::Success();
 }
 
-ffi::Error SmallGemmNN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+ffi::Error SmallGemmNN(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
   Product p;
   if (ffi::Error error = Prepare(x, w, y, false, &p); error.failure()) return error;
+  if (p.m == 1) {
+    // One row: slices of whole rows of w, each read front to back as one stream into its own sums, added in slice
+    // order.
+    const int64_t slices = std::clamp<int64_t>(p.k / kRowsPerSlice, 1, kMaxSlices);
+    const int64_t rows = (p.k / slices + 7) / 8 * 8;
+    auto partial = std::make_shared<std::vector<float>>(slices * p.n, 0.0f);
+    float* base = partial->data();
+    const float* xs = x.typed_data();
+    ParallelChunks(slices, [p, partial, base, rows, slices, xs](int64_t c) {
+      const int64_t k_end = c == slices - 1 ? p.k : std::min(p.k, (c + 1) * rows);
+      RowAccumulate(xs, p.w, base + c * p.n, std::min(p.k, c * rows), k_end, p.n, 0, p.n);
+    });
+    AddSlices(base, slices, p.n, p.n);
+    std::memcpy(p.y, base, sizeof(float) * p.n);
+    return ffi::Error::Success();
+  }
   if (p.n > kMaxChunkNN) {
     // Wide: chunks of whole columns (all of K), each summed in its own buffer and written out by its task.
     const int64_t width = std::min<int64_t>(kMaxChunkNN, std::max<int64_t>(kMinChunkNN, (p.n / 4 + 7) / 8 * 8));
-    ParallelChunks(pool, (p.n + width - 1) / width, [p, width](int64_t c) {
+    ParallelChunks((p.n + width - 1) / width, [p, width](int64_t c) {
       alignas(32) float acc_buf[kMaxChunkNN * kLanes];
       const int64_t n0 = c * width, n1 = std::min(p.n, (c + 1) * width);
       std::memset(acc_buf, 0, sizeof(float) * (n1 - n0) * kLanes);
@@ -336,7 +334,7 @@ ffi::Error SmallGemmNN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t rows = (p.k / slices + 7) / 8 * 8;
   auto partial = std::make_shared<std::vector<float>>(slices * p.n * kLanes + kLanes, 0.0f);
   float* base = Align32(partial->data());
-  ParallelChunks(pool, slices, [p, partial, base, rows, slices](int64_t c) {
+  ParallelChunks(slices, [p, partial, base, rows, slices](int64_t c) {
     const int64_t k_end = c == slices - 1 ? p.k : std::min(p.k, (c + 1) * rows);
     NNAccumulate(p.xt->data(), p.w, base + c * p.n * kLanes, std::min(p.k, c * rows), k_end, p.n, 0, p.n);
   });
@@ -345,18 +343,18 @@ ffi::Error SmallGemmNN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
-ffi::Error SmallGemmNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+ffi::Error SmallGemmNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
   Product p;
   if (ffi::Error error = Prepare(x, w, y, true, &p); error.failure()) return error;
   if (p.m == 1) {
     const float* xs = x.typed_data();
-    ParallelChunks(pool, (p.n + kRowChunkNT - 1) / kRowChunkNT, [p, xs](int64_t c) {
+    ParallelChunks((p.n + kRowChunkNT - 1) / kRowChunkNT, [p, xs](int64_t c) {
       NTRowChunk(xs, p.w, p.y, p.k, c * kRowChunkNT, std::min(p.n, (c + 1) * kRowChunkNT));
     });
     return ffi::Error::Success();
   }
-  ParallelChunks(pool, (p.n + kChunkNT - 1) / kChunkNT, [p](int64_t c) {
+  ParallelChunks((p.n + kChunkNT - 1) / kChunkNT, [p](int64_t c) {
     NTChunk(p.xt->data(), p.w, p.y, p.m, p.k, p.n, c * kChunkNT, std::min(p.n, (c + 1) * kChunkNT));
   });
   return ffi::Error::Success();
@@ -368,7 +366,7 @@ ffi::Error SmallGemmNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 // in the lanes like the NN kernel. Columns are split into blocks only past the lanes' buffer; when there are few
 // chunks, the rows of w are split into slices, so both threads have work. Slices are added in a fixed order, so a
 // result does not depend on the threads.
-ffi::Error ExpertGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+ffi::Error ExpertGemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
@@ -419,7 +417,7 @@ ffi::Error ExpertGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const float* xs = x.typed_data();
   const float* ws = w.typed_data();
   float* ys = y->typed_data();
-  ParallelChunks(pool, units * slices, [=](int64_t task) {
+  ParallelChunks(units * slices, [=](int64_t task) {
     const int64_t unit = task / slices, slice = task % slices;
     const Chunk& c = (*chunks)[unit / col_blocks];
     const int64_t n0 = (unit % col_blocks) * width, n1 = std::min(n, n0 + width);
@@ -457,10 +455,9 @@ ffi::Error ExpertGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 }  // namespace
 
-// Both handlers take XLA's intra-op thread pool, x and w, and return y.
+// Both handlers take x and w and return y.
 #define MAXTEXT_SMALL_GEMM_BINDING  \
   ffi::Ffi::Bind()                  \
-      .Ctx<ffi::ThreadPool>()       \
       .Arg<ffi::Buffer<ffi::F32>>() \
       .Arg<ffi::Buffer<ffi::F32>>() \
       .Ret<ffi::Buffer<ffi::F32>>()
@@ -469,7 +466,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNN, SmallGemmNN, MAXTEXT_SMALL_GEM
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNT, SmallGemmNT, MAXTEXT_SMALL_GEMM_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextExpertGemm, ExpertGemm,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

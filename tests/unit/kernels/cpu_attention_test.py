@@ -7,7 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ragged_paged_attention_test import F32_TOL, MIXED, _check, _make_batch, _reference
+
+# A sibling test module (pytest puts this folder on sys.path): its float64 reference and batch builder.
+from ragged_paged_attention_test import (  # pylint: disable=import-error
+    F32_TOL,
+    MIXED,
+    _check,
+    _make_batch,
+    _precompile_dummy,
+    _reference,
+)
 
 from maxtext.kernels import cpu_attention, cpu_gemm
 from maxtext.kernels import ragged_paged_attention as rpa
@@ -99,14 +108,7 @@ def test_a_long_prefill_takes_the_threaded_path_and_equals_the_jax_attention():
 def test_precompile_dummy_and_positions_outside_the_pages_give_zero_rows():
   """The runner's precompile metadata (no real request) and a KV length past the block table read nothing."""
   b = _make_batch(6, ((3, 2),), num_tokens=8, max_reqs=4)
-  dummy = dataclasses.replace(
-      b,
-      kv_lens=np.ones(4, np.int32),
-      cu_q_lens=np.ones(5, np.int32),
-      page_table=np.zeros_like(b.page_table),
-      distribution=np.zeros(3, np.int32),
-  )
-  out, _, called = _run(dummy, sm_scale=1.0)
+  out, _, called = _run(_precompile_dummy(b), sm_scale=1.0)
   assert called
   np.testing.assert_array_equal(np.asarray(out), 0.0)
   pages_per_seq = len(b.page_table) // len(b.kv_lens)

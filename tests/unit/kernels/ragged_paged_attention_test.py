@@ -267,16 +267,22 @@ def test_without_cache_update_reads_the_pages_as_given():
   np.testing.assert_array_equal(np.asarray(new_cache2), np.asarray(cache))
 
 
-def test_zero_requests_precompile_dummy():
-  """The runner's precompile metadata: seq_lens and query_start_loc all ones, zero tables, distribution zeros."""
-  b = _make_batch(6, ((3, 2),), num_tokens=8, max_reqs=4)
-  b = dataclasses.replace(
+def _precompile_dummy(b: Batch) -> Batch:
+  """`b` with the runner's precompile metadata: seq_lens and query_start_loc all ones, zero tables, distribution
+  zeros (no real request)."""
+  num_seqs = len(b.kv_lens)
+  return dataclasses.replace(
       b,
-      kv_lens=np.ones(4, np.int32),
-      cu_q_lens=np.ones(5, np.int32),
+      kv_lens=np.ones(num_seqs, np.int32),
+      cu_q_lens=np.ones(num_seqs + 1, np.int32),
       page_table=np.zeros_like(b.page_table),
       distribution=np.zeros(3, np.int32),
   )
+
+
+def test_zero_requests_precompile_dummy():
+  """The runner's precompile metadata: seq_lens and query_start_loc all ones, zero tables, distribution zeros."""
+  b = _precompile_dummy(_make_batch(6, ((3, 2),), num_tokens=8, max_reqs=4))
   out, new_cache = _run(b, sm_scale=1.0)
   np.testing.assert_array_equal(np.asarray(out), 0.0)
   np.testing.assert_array_equal(np.asarray(new_cache), np.asarray(b.cache()))

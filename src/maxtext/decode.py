@@ -20,12 +20,14 @@ Ctrl-C exits with status 130.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
 import signal
 import sys
 import threading
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -208,6 +210,16 @@ def _silence_stdout() -> None:
   os.close(devnull)
 
 
+def _in_gc_callback(frame: types.FrameType | None) -> bool:
+  """Whether `frame` runs inside one of the garbage collector's callbacks (`gc.callbacks`)."""
+  codes = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+  while frame is not None:
+    if frame.f_code in codes:
+      return True
+    frame = frame.f_back
+  return False
+
+
 @contextlib.contextmanager
 def _cancel_on_sigint() -> Iterator[threading.Event]:
   """Within the block, Ctrl-C sets the yielded event as well as raising KeyboardInterrupt. Native code (XLA) that
@@ -220,7 +232,10 @@ def _cancel_on_sigint() -> Iterator[threading.Event]:
 
   def on_sigint(signum, frame):
     cancel.set()
-    signal.default_int_handler(signum, frame)
+    # Raised inside a gc callback (JAX registers one), KeyboardInterrupt would be printed as "Exception ignored"
+    # with a traceback and swallowed; the event alone stops the generation there.
+    if not _in_gc_callback(frame):
+      signal.default_int_handler(signum, frame)
 
   previous = signal.signal(signal.SIGINT, on_sigint)
   try:

@@ -4,10 +4,12 @@ decode_test.py covers outputs and the common bad keys; this file covers the prom
 the API (same rule, the CLI's key name), the model-source conflicts and the exit paths of `main`.
 """
 
+import gc
 import json
 import os
 import pathlib
 import signal
+import sys
 
 import pytest
 
@@ -110,6 +112,36 @@ def test_ctrl_c_sets_the_cancel_event_even_if_the_interrupt_is_lost(capsys, monk
   assert decode.main([BASE]) == 130
   assert capsys.readouterr().err == "maxtext-decode: interrupted\n"
   assert signal.getsignal(signal.SIGINT) is before  # the handler is restored
+
+
+def test_ctrl_c_inside_a_gc_callback_only_sets_the_cancel_event(capsys, monkeypatch):
+  # Raised inside a gc callback, KeyboardInterrupt would be printed as "Exception ignored" with a traceback and
+  # swallowed; the handler leaves it to the event there, and raises everywhere else.
+  def interrupted_during_gc(argv, cancel):
+    del argv
+    seen = []
+
+    def callback(phase, info):
+      del info
+      if phase == "start" and not seen:
+        seen.append(phase)
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, sys._getframe())  # pylint: disable=protected-access
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)  # where an exception in a gc callback goes
+    gc.callbacks.append(callback)
+    try:
+      gc.collect()
+    finally:
+      gc.callbacks.remove(callback)
+    assert seen and cancel.is_set() and not unraisable
+    with pytest.raises(KeyboardInterrupt):
+      signal.getsignal(signal.SIGINT)(signal.SIGINT, sys._getframe())  # pylint: disable=protected-access
+    raise KeyboardInterrupt("generate cancelled")
+
+  monkeypatch.setattr(decode, "run", interrupted_during_gc)
+  assert decode.main([BASE]) == 130
+  assert capsys.readouterr().err == "maxtext-decode: interrupted\n"
 
 
 @pytest.mark.parametrize("error", [PermissionError("permission denied: 'x.yml'"), IsADirectoryError("x is a dir")])

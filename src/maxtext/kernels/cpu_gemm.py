@@ -43,8 +43,8 @@ import jax.numpy as jnp
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
-SOURCES = (SOURCE_DIR / "small_gemm.cc", SOURCE_DIR / "paged_attention.cc")  # one library; parallel.h is shared
-HEADERS = (SOURCE_DIR / "parallel.h",)
+SOURCES = (SOURCE_DIR / "small_gemm.cc", SOURCE_DIR / "paged_attention.cc")  # one library; the headers are shared
+HEADERS = (SOURCE_DIR / "parallel.h", SOURCE_DIR / "simd.h")
 MAX_ROWS = 8  # rows of x the small-batch products take (one row is a matrix-vector product)
 # Steps of this many tokens compile without YNNPACK's fusions (`small_batch_compiler_options`).
 MIN_ROWS = 2

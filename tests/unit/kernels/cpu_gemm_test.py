@@ -134,6 +134,7 @@ _SHAPES = [
     (1, 512, 32000),  # one row: a stream per row slice (NN), a dot product per row of w (NT)
     (1, 45, 1030),  # ... with K tails (past 8 and 32 floats) and a partial last task
     (1, 1536, 517),  # ... 8 row slices of w, N past a multiple of 16
+    (1, 301, 2055),  # ... rows of w read eight at a time (NN), with K and N tails
 ]
 
 
@@ -273,13 +274,14 @@ def _expert_reference(x: np.ndarray, w: np.ndarray, experts: np.ndarray) -> np.n
 
 # (rows, E, K, N, experts): a single row (one task, sliced rows of w), rows of distinct experts, an expert with more
 # than 8 rows (chunks of 8 and a remainder), K not a multiple of 4 or 8, N past the lanes' 2048-column buffer
-# (column blocks), and the decode benchmark's batch-8 routing size.
+# (column blocks), the decode benchmark's batch-8 routing size, and one row as wide as the buffer.
 _EXPERT_CASES = [
     (1, 4, 512, 256, [2]),
     (2, 16, 512, 256, [3, 11]),
     (11, 3, 37, 19, [1] * 9 + [0, 2]),
     (5, 4, 130, 2100, [3, 0, 3, 1, 3]),
     (16, 16, 512, 256, None),
+    (1, 2, 77, 2048, [1]),  # a row of 2048 columns: rows of w read eight at a time, with a K tail
 ]
 
 

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -48,9 +49,7 @@ inline float Dot(const float* a, const float* b, int64_t d) {
   }
   for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
   acc0 = _mm256_add_ps(acc0, acc1);
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc0), _mm256_extractf128_ps(acc0, 1));
-  const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  float sum = _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1)));
+  float sum = maxtext_cpu::HorizontalSum(acc0);
   for (; i < d; ++i) sum = std::fma(a[i], b[i], sum);
   return sum;
 }

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -46,6 +47,8 @@ constexpr int64_t kRowsPerSlice = 128;
 constexpr int64_t kMaxSlices = 8;
 constexpr int64_t kChunkNT = 512;  // columns (rows of w) per task in the NT kernel (multiple of 8)
 constexpr int64_t kRowChunkNT = 1024;  // the same for one row of x (each task then reads K * 4 KiB of w)
+// One row of x reads rows of w of at least kLongRow floats (8 KiB) eight at a time (see RowAccumulate).
+constexpr int64_t kLongRow = 2048;
 // The expert kernel splits the rows of w into slices until it has kMinExpertTasks tasks, slices of at least
 // kMinExpertSlice rows.
 constexpr int64_t kMinExpertTasks = 4;
@@ -143,13 +146,39 @@ void NNAccumulate(const float* xt, const float* w, float* acc_buf, int64_t k_beg
 }
 
 // One row: adds rows [k_begin, k_end) x columns [n0, n1) of x @ w to acc [n1 - n0]; x [K], w [K, N]. The rows of
-// w are read one after the other, front to back: when the columns span whole rows, that is one stream through
-// contiguous memory, which a core reads near the bandwidth (several interleaved row streams read well below it,
-// the shorter the rows the further). acc stays in the cache.
+// w are read front to back. Rows narrower than kLongRow floats are read one after the other, as one stream through
+// contiguous memory, which a core reads near the bandwidth (several interleaved streams of short rows read well
+// below it) while acc stays in the L1 cache. Wider rows are read eight at a time: eight long streams still read near
+// the bandwidth, and acc, too large for the L1 cache, is loaded and stored once per eight rows instead of once per
+// row. Each element sums its rows in the same order either way.
 void RowAccumulate(const float* x, const float* w, float* acc, int64_t k_begin, int64_t k_end, int64_t n_size,
                    int64_t n0, int64_t n1) {
   const int64_t width = n1 - n0;
-  for (int64_t k = k_begin; k < k_end; ++k) {
+  int64_t k = k_begin;
+  if (width >= kLongRow) {
+    for (; k + 8 <= k_end; k += 8) {
+      __m256 xr[8];
+      const float* wr[8];
+      for (int r = 0; r < 8; ++r) {
+        xr[r] = _mm256_set1_ps(x[k + r]);
+        wr[r] = w + (k + r) * n_size + n0;
+      }
+      int64_t j = 0;
+      for (; j + 16 <= width; j += 16) {
+        __m256 a = _mm256_loadu_ps(acc + j), b = _mm256_loadu_ps(acc + j + 8);
+        for (int r = 0; r < 8; ++r) {
+          a = _mm256_fmadd_ps(xr[r], _mm256_loadu_ps(wr[r] + j), a);
+          b = _mm256_fmadd_ps(xr[r], _mm256_loadu_ps(wr[r] + j + 8), b);
+        }
+        _mm256_storeu_ps(acc + j, a);
+        _mm256_storeu_ps(acc + j + 8, b);
+      }
+      for (; j < width; ++j) {
+        for (int r = 0; r < 8; ++r) acc[j] = std::fma(x[k + r], wr[r][j], acc[j]);
+      }
+    }
+  }
+  for (; k < k_end; ++k) {
     const __m256 xk = _mm256_set1_ps(x[k]);
     const float* wk = w + k * n_size + n0;
     int64_t j = 0;
@@ -160,6 +189,17 @@ void RowAccumulate(const float* x, const float* w, float* acc, int64_t k_begin, 
     for (; j < width; ++j) acc[j] = std::fma(x[k], wk[j], acc[j]);
   }
 }
+
+// The rows [0, K) of w cut into `count` slices of whole rows (up to kMaxSlices, of at least kRowsPerSlice rows
+// each, a multiple of 8 rows but the last): slice c is rows [begin(c), end(c)).
+struct RowSlices {
+  explicit RowSlices(int64_t k)
+      : k(k), count(std::clamp<int64_t>(k / kRowsPerSlice, 1, kMaxSlices)), rows((k / count + 7) / 8 * 8) {}
+  int64_t begin(int64_t c) const { return std::min(k, c * rows); }
+  int64_t end(int64_t c) const { return c == count - 1 ? k : std::min(k, (c + 1) * rows); }
+
+  int64_t k, count, rows;
+};
 
 // Adds the partial sums of slices 1..slices-1 (each `count` floats, `stride` floats apart) to slice 0's, in slice
 // order, so the total does not depend on which thread summed which slice.
@@ -255,16 +295,13 @@ void NTRowChunk(const float* x, const float* w, float* y, int64_t k_size, int64_
       a2 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k + 16), _mm256_loadu_ps(x + k + 16), a2);
       a3 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k + 24), _mm256_loadu_ps(x + k + 24), a3);
     }
-    const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    float sum = _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1)));
+    float sum = maxtext_cpu::HorizontalSum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     for (int64_t k = k32; k < k_size; ++k) sum = std::fma(x[k], wn[k], sum);
     y[n] = sum;
   }
 }
 
-// A product's sizes and operands: x transposed into lanes, w and y in place.
+// A product's sizes and operands: x transposed into lanes (only for more than one row), w and y in place.
 struct Product {
   int64_t m, k, n;
   std::shared_ptr<AlignedRows> xt;
@@ -289,7 +326,7 @@ ffi::Error Prepare(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w, ffi::Resu
   if (wk != p->k || yd[0] != p->m || yd[1] != p->n) {
     return ffi::Error::InvalidArgument("small_gemm: the shapes of x, w and y do not match");
   }
-  p->xt = std::make_shared<AlignedRows>(x.typed_data(), p->m, p->k);
+  if (p->m > 1) p->xt = std::make_shared<AlignedRows>(x.typed_data(), p->m, p->k);  // one row is read in place
   p->w = w.typed_data();
   p->y = y->typed_data();
   return ffi::Error::Success();
@@ -302,16 +339,14 @@ ffi::Error SmallGemmNN(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
   if (p.m == 1) {
     // One row: slices of whole rows of w, each read front to back as one stream into its own sums, added in slice
     // order.
-    const int64_t slices = std::clamp<int64_t>(p.k / kRowsPerSlice, 1, kMaxSlices);
-    const int64_t rows = (p.k / slices + 7) / 8 * 8;
-    auto partial = std::make_shared<std::vector<float>>(slices * p.n, 0.0f);
+    const RowSlices s(p.k);
+    auto partial = std::make_shared<std::vector<float>>(s.count * p.n, 0.0f);
     float* base = partial->data();
     const float* xs = x.typed_data();
-    ParallelChunks(slices, [p, partial, base, rows, slices, xs](int64_t c) {
-      const int64_t k_end = c == slices - 1 ? p.k : std::min(p.k, (c + 1) * rows);
-      RowAccumulate(xs, p.w, base + c * p.n, std::min(p.k, c * rows), k_end, p.n, 0, p.n);
+    ParallelChunks(s.count, [p, partial, base, s, xs](int64_t c) {
+      RowAccumulate(xs, p.w, base + c * p.n, s.begin(c), s.end(c), p.n, 0, p.n);
     });
-    AddSlices(base, slices, p.n, p.n);
+    AddSlices(base, s.count, p.n, p.n);
     std::memcpy(p.y, base, sizeof(float) * p.n);
     return ffi::Error::Success();
   }
@@ -330,15 +365,13 @@ ffi::Error SmallGemmNN(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
   // Narrow: slices of whole rows of w (one contiguous stretch of memory each, which the hardware prefetcher
   // follows), each summed into its own buffer; the slices' sums are added in slice order, so the result does not
   // depend on which thread ran which slice.
-  const int64_t slices = std::clamp<int64_t>(p.k / kRowsPerSlice, 1, kMaxSlices);
-  const int64_t rows = (p.k / slices + 7) / 8 * 8;
-  auto partial = std::make_shared<std::vector<float>>(slices * p.n * kLanes + kLanes, 0.0f);
+  const RowSlices s(p.k);
+  auto partial = std::make_shared<std::vector<float>>(s.count * p.n * kLanes + kLanes, 0.0f);
   float* base = Align32(partial->data());
-  ParallelChunks(slices, [p, partial, base, rows, slices](int64_t c) {
-    const int64_t k_end = c == slices - 1 ? p.k : std::min(p.k, (c + 1) * rows);
-    NNAccumulate(p.xt->data(), p.w, base + c * p.n * kLanes, std::min(p.k, c * rows), k_end, p.n, 0, p.n);
+  ParallelChunks(s.count, [p, partial, base, s](int64_t c) {
+    NNAccumulate(p.xt->data(), p.w, base + c * p.n * kLanes, s.begin(c), s.end(c), p.n, 0, p.n);
   });
-  AddSlices(base, slices, p.n * kLanes, p.n * kLanes);
+  AddSlices(base, s.count, p.n * kLanes, p.n * kLanes);
   NNStore(base, p.y, p.m, p.n, 0, p.n);
   return ffi::Error::Success();
 }

@@ -130,7 +130,9 @@ class BatchInputs:
     ]
 
 
-def build_batch(cfg: Any, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> BatchInputs:
+def build_batch(
+    cfg: Any, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager, *, one_step_ahead: bool = False
+) -> BatchInputs:
   """Builds the step's inputs from the scheduler's plan and the manager's block tables and state slots.
 
   Call it after `Scheduler.schedule()` and before `Scheduler.update_from_output()`.
@@ -139,10 +141,15 @@ def build_batch(cfg: Any, scheduler_output: SchedulerOutput, kv_cache_manager: K
     cfg: the loaded config (max_num_seqs, max_num_batched_tokens).
     scheduler_output: the plan of the step.
     kv_cache_manager: the manager holding the requests' blocks and slots.
+    one_step_ahead: the plan is a decode step planned while the step before it still runs (the engine's
+      overlapped decode steps): every request computes one token, one more than the request's computed count,
+      and that token is the one the running step samples, so it is not known yet. Its `input_ids` entry is 0; the
+      step program takes the token from the previous step's output on the device.
 
   Raises:
-    ValueError: too many requests or tokens for the buckets, or the plan is stale (a request's computed count
-      changed since `schedule()`).
+    ValueError: too many requests or tokens for the buckets, the plan is stale (a request's computed count
+      changed since `schedule()`, or is not one below the plan's one step ahead), or a plan one step ahead
+      computes more than one token for a request.
   """
   rows = max_num_reqs(cfg)
   entries = [e for e in scheduler_output.scheduled if e.num_new_tokens == 1]
@@ -168,12 +175,19 @@ def build_batch(cfg: Any, scheduler_output: SchedulerOutput, kv_cache_manager: K
   for i, (request, n) in enumerate(entries):
     rid = request.request_id
     computed = scheduler_output.num_computed_tokens[rid]
-    if request.num_computed_tokens != computed:
+    if one_step_ahead:
+      if n != 1 or request.num_computed_tokens + 1 != computed:
+        raise ValueError(
+            f"request {rid!r}: a plan one step ahead computes 1 token at 1 past the request's computed count; got"
+            f" {n} tokens at {computed} with num_computed_tokens {request.num_computed_tokens}"
+        )
+    elif request.num_computed_tokens != computed:
       raise ValueError(
           f"request {rid!r}: num_computed_tokens is {request.num_computed_tokens} but the plan was made at {computed};"
           " build the batch before update_from_output"
       )
-    input_ids[start : start + n] = request.all_token_ids[computed : computed + n]
+    else:
+      input_ids[start : start + n] = request.all_token_ids[computed : computed + n]
     positions[start : start + n] = np.arange(computed, computed + n)
     seq_lens[i] = computed + n
     start += n

@@ -24,10 +24,10 @@ from flax import nnx
 from maxtext.inference import compilation_cache
 from maxtext.inference.batch import BatchInputs, build_batch, next_power_of_two, padded_num_tokens
 from maxtext.inference.kv_cache_manager import KVCacheManager, max_num_reqs
-from maxtext.inference.request import Request
+from maxtext.inference.request import Request, RequestStatus
 from maxtext.inference.sampler import Sampler, TokenLogprobs
 from maxtext.inference.sampling_params import SamplingParams
-from maxtext.inference.scheduler import Scheduler
+from maxtext.inference.scheduler import Scheduler, SchedulerOutput
 from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
@@ -49,6 +49,7 @@ class EngineStats:
   scheduled_tokens: int = 0
   preemptions: int = 0
   aborted_requests: int = 0
+  overlapped_steps: int = 0
   wall_time_s: float = 0.0
   prefix_cache_queries: int = 0
   prefix_cache_hits: int = 0
@@ -57,9 +58,11 @@ class EngineStats:
   def as_dict(self) -> dict[str, Any]:
     """Plain dict, with generated tokens per second of wall time and the prefix-cache hit rate.
 
-    `prefix_cache_queries` / `prefix_cache_hits` count tokens looked up / found in the prefix cache at every
-    admission (re-admissions after a preemption too); `cached_tokens_per_request` maps each finished request to
-    the prompt tokens it skipped when first admitted. All are 0 / empty with `enable_prefix_caching=false`.
+    `overlapped_steps` counts the greedy decode steps dispatched before the previous step's tokens reached the
+    host (`overlap_decode_steps`). `prefix_cache_queries` / `prefix_cache_hits` count tokens looked up / found in
+    the prefix cache at every admission (re-admissions after a preemption too); `cached_tokens_per_request` maps
+    each finished request to the prompt tokens it skipped when first admitted. All are 0 / empty with
+    `enable_prefix_caching=false`.
     """
     out = dataclasses.asdict(self)
     out["generated_tokens_per_s"] = self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
@@ -78,6 +81,31 @@ class FinishedRequest:
   logprobs: tuple[TokenLogprobs, ...] | None
   finish_reason: str
   num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _DispatchedStep:
+  """A dispatched greedy step: its plan and its token ids and finite flags on the device.
+
+  `rows` are the output rows of the plan's sampling requests when some of the dispatched requests were dropped
+  (finished or aborted meanwhile), None when they are rows 0, 1, ...
+  """
+
+  out: SchedulerOutput
+  token_ids: jax.Array
+  finite: jax.Array
+  rows: tuple[int, ...] | None
+
+
+_NO_PREVIOUS_TOKENS: dict[int, np.ndarray] = {}
+
+
+def _no_previous_tokens(num_rows: int) -> tuple[np.ndarray, np.int32]:
+  """The previous-token inputs of a greedy step that takes none: `num_rows` zeros (the shape of its own token
+  output, so every step of a bucket has one signature) and a count of 0."""
+  if num_rows not in _NO_PREVIOUS_TOKENS:
+    _NO_PREVIOUS_TOKENS[num_rows] = np.zeros((num_rows,), np.int32)
+  return _NO_PREVIOUS_TOKENS[num_rows], np.int32(0)
 
 
 def _to_device(value: Any) -> Any:
@@ -169,7 +197,22 @@ class LLMEngine:
       rows = logits(leaves, hidden, logits_indices)
       return greedy_token_ids(rows), jnp.all(jnp.isfinite(rows), axis=-1)
 
-    def step_greedy(leaves, kv_caches, input_ids, attention_metadata, input_positions, logits_indices, layer_map):
+    def step_greedy(
+        leaves,
+        kv_caches,
+        input_ids,
+        attention_metadata,
+        input_positions,
+        logits_indices,
+        prev_tokens,
+        num_prev,
+        layer_map,
+    ):
+      # The first `num_prev` tokens are the previous step's sampled tokens, still on the device (a decode step
+      # dispatched before they reached the host; see `_plan_ahead`); 0 for any other step.
+      rows = jnp.arange(input_ids.shape[0])
+      fed_back = prev_tokens[jnp.minimum(rows, prev_tokens.shape[0] - 1)]
+      input_ids = jnp.where(rows < num_prev, fed_back, input_ids)
       kv_caches, hidden = step(leaves, kv_caches, input_ids, attention_metadata, input_positions, layer_map)
       return (kv_caches, *greedy(leaves, hidden, logits_indices))
 
@@ -186,10 +229,13 @@ class LLMEngine:
     self._logits = jax.jit(logits)
     # Greedy steps without logprobs run the model and the argmax as one program: one dispatch per step, and only
     # the token ids come back to the host.
-    self._step_greedy = jax.jit(step_greedy, donate_argnums=(1,), static_argnums=(6,))
+    self._step_greedy = jax.jit(step_greedy, donate_argnums=(1,), static_argnums=(8,))
     self._step_greedy_small = jax.jit(
-        step_greedy, donate_argnums=(1,), static_argnums=(6,), compiler_options=small_options
+        step_greedy, donate_argnums=(1,), static_argnums=(8,), compiler_options=small_options
     )
+    # A greedy decode step dispatched before the previous step's tokens reached the host, with its plan.
+    self._ahead: _DispatchedStep | None = None
+    self.overlap_decode_steps = bool(cfg.overlap_decode_steps)
     self.kv_caches = self.model.shard_kv_caches(self.manager.allocate_caches())
     self._zero_slots([])  # compiles the zeroing program now (no row is written), not in the first request's path
     # The one-request greedy decode step compiles in a thread while the weights load (shapes are all it needs).
@@ -229,8 +275,17 @@ class LLMEngine:
       batch = build_batch(self.cfg, out, manager)
       metadata = make_attention_metadata(batch, on_device=False)
       step, indices = self._greedy_program(batch, out.sampling_request_ids)
+      prev, num_prev = _no_previous_tokens(indices.shape[0])
       step.lower(
-          leaves, kv_caches, batch.input_ids, metadata, metadata_positions(metadata), indices, self.layer_map
+          leaves,
+          kv_caches,
+          batch.input_ids,
+          metadata,
+          metadata_positions(metadata),
+          indices,
+          prev,
+          num_prev,
+          self.layer_map,
       ).compile()
     except Exception as e:  # pylint: disable=broad-exception-caught  # an optimisation must not break the engine
       logger.warning("compiling the decode step in the background failed (it compiles when first used): %s", e)
@@ -331,42 +386,46 @@ class LLMEngine:
   def step(self) -> list[FinishedRequest]:
     """Runs one model step; returns the requests that finished in it (first those aborted since the last step).
 
-    The tokens it sampled are in `last_sampled` (request id -> token id) until the next step.
+    The tokens it sampled are in `last_sampled` (request id -> token id) until the next step. With
+    `overlap_decode_steps`, a greedy decode step may dispatch the next decode step before its own tokens reach the
+    host (`_plan_ahead`); the next call then starts from that step.
     """
     start = time.perf_counter()
     aborted, self._aborted = self._aborted, []
     self.last_sampled = {}
-    out = self.scheduler.schedule()
-    self.stats.preemptions += len(out.preempted_request_ids)
-    if out.slots_to_zero:
-      self._zero_slots(out.slots_to_zero)
-    if out.is_empty:
-      return aborted
-    batch = build_batch(self.cfg, out, self.manager)
-    metadata = make_attention_metadata(batch, on_device=False)
-    inputs = (self._state_leaves, self.kv_caches, batch.input_ids, metadata, metadata_positions(metadata))
-    requests = {e.request.request_id: e.request for e in out.scheduled}
-    params = [requests[rid].sampling_params for rid in out.sampling_request_ids]
+    pending = self._take_ahead()
     sampled: dict[str, int] = {}
-    if params and all(p.is_greedy and p.logprobs is None for p in params):
-      step_greedy, indices = self._greedy_program(batch, out.sampling_request_ids)
-      self._wait_for_background_compile(batch)  # never compile the same program twice at once
-      self.kv_caches, token_ids, finite = step_greedy(*inputs, indices, self.layer_map)
-      token_ids, finite = np.asarray(token_ids), np.asarray(finite)
-      check_finite_rows(finite[: len(params)])
-      for rid, token in zip(out.sampling_request_ids, token_ids[: len(params)]):
-        sampled[rid] = int(token)
-    else:
-      self.kv_caches, hidden = (self._step_small if self._is_small(batch) else self._step)(*inputs, self.layer_map)
-      if params:
-        indices = sampling_logits_indices(batch, out.sampling_request_ids)
-        logits = np.asarray(self._logits(self._state_leaves, hidden, indices))[: len(params)]
-        steps = [len(requests[rid].output_token_ids) for rid in out.sampling_request_ids]
-        result = self.sampler.sample(logits, params, steps)
-        for rid, token, logprob in zip(out.sampling_request_ids, result.token_ids, result.logprobs):
-          sampled[rid] = int(token)
-          if logprob is not None:
-            self._logprobs[rid].append(logprob)
+    if pending is None:
+      out = self.scheduler.schedule()
+      self.stats.preemptions += len(out.preempted_request_ids)
+      if out.slots_to_zero:
+        self._zero_slots(out.slots_to_zero)
+      if out.is_empty:
+        return aborted
+      requests = {e.request.request_id: e.request for e in out.scheduled}
+      params = [requests[rid].sampling_params for rid in out.sampling_request_ids]
+      if params and all(p.is_greedy and p.logprobs is None for p in params):
+        pending = _DispatchedStep(out, *self._dispatch_greedy(out, build_batch(self.cfg, out, self.manager)), rows=None)
+      else:
+        sampled = self._run_and_sample(out, requests, params)
+    if pending is not None:
+      out = pending.out
+      try:
+        ahead = self._plan_ahead(pending)
+        if ahead is not None:
+          batch = build_batch(self.cfg, ahead, self.manager, one_step_ahead=True)
+          self._ahead = _DispatchedStep(
+              ahead, *self._dispatch_greedy(ahead, batch, prev_tokens=pending.token_ids), rows=None
+          )
+          self.stats.overlapped_steps += 1
+        token_ids, finite = np.asarray(pending.token_ids), np.asarray(pending.finite)
+        rows = pending.rows if pending.rows is not None else range(len(out.sampling_request_ids))
+        check_finite_rows(finite[list(rows)])
+      except BaseException:
+        self._ahead = None  # its plan rests on this step's tokens
+        raise
+      for rid, row in zip(out.sampling_request_ids, rows):
+        sampled[rid] = int(token_ids[row])
     self.last_sampled = sampled
     finished = self.scheduler.update_from_output(out, sampled)
     self.stats.steps += 1
@@ -376,6 +435,113 @@ class LLMEngine:
     self.stats.prefix_cache_hits = self.scheduler.prefix_cache_hits
     self.stats.wall_time_s += time.perf_counter() - start
     return aborted + [self._finished(r) for r in finished]
+
+  def _dispatch_greedy(
+      self, out: SchedulerOutput, batch: BatchInputs, prev_tokens: jax.Array | None = None
+  ) -> tuple[jax.Array, jax.Array]:
+    """Dispatches the fused greedy step of `batch` (the plan `out`); returns its token ids and finite flags, on the
+    device (the caches are replaced by the step's at once).
+
+    With `prev_tokens` (the previous step's token ids, on the device), the batch's decode rows take their input
+    tokens from it (a plan one step ahead: `_plan_ahead`).
+    """
+    metadata = make_attention_metadata(batch, on_device=False)
+    step_greedy, indices = self._greedy_program(batch, out.sampling_request_ids)
+    if prev_tokens is None:
+      prev_tokens, num_prev = _no_previous_tokens(indices.shape[0])
+    else:
+      num_prev = np.int32(batch.num_decodes)
+    self._wait_for_background_compile(batch)  # never compile the same program twice at once
+    inputs = (self._state_leaves, self.kv_caches, batch.input_ids, metadata, metadata_positions(metadata))
+    self.kv_caches, token_ids, finite = step_greedy(*inputs, indices, prev_tokens, num_prev, self.layer_map)
+    return token_ids, finite
+
+  def _run_and_sample(
+      self, out: SchedulerOutput, requests: dict[str, Request], params: list[SamplingParams]
+  ) -> dict[str, int]:
+    """Runs the step of `out`, then samples on the host (any sampling parameters, logprobs); returns the tokens."""
+    batch = build_batch(self.cfg, out, self.manager)
+    metadata = make_attention_metadata(batch, on_device=False)
+    inputs = (self._state_leaves, self.kv_caches, batch.input_ids, metadata, metadata_positions(metadata))
+    self.kv_caches, hidden = (self._step_small if self._is_small(batch) else self._step)(*inputs, self.layer_map)
+    sampled: dict[str, int] = {}
+    if params:
+      indices = sampling_logits_indices(batch, out.sampling_request_ids)
+      logits = np.asarray(self._logits(self._state_leaves, hidden, indices))[: len(params)]
+      steps = [len(requests[rid].output_token_ids) for rid in out.sampling_request_ids]
+      result = self.sampler.sample(logits, params, steps)
+      for rid, token, logprob in zip(out.sampling_request_ids, result.token_ids, result.logprobs):
+        sampled[rid] = int(token)
+        if logprob is not None:
+          self._logprobs[rid].append(logprob)
+    return sampled
+
+  def _plan_ahead(self, current: _DispatchedStep) -> SchedulerOutput | None:
+    """The next step's plan, made while `current` (a greedy step, dispatched) runs, or None when it cannot be made.
+
+    The next step is planned now only when it is certain to be what `Scheduler.schedule()` would plan after this
+    step: this step is all decodes (every request computes and samples one token, rows in batch order), greedy;
+    no request can finish by length in it; no request waits (none would be admitted); and every request gets the
+    room for one more token (no preemption). It then computes, for the same requests in the same order, the token
+    this step samples: the program takes it from this step's output on the device, so the host's work for the
+    next step (planning, the batch, the dispatch) overlaps this step's computation instead of following it.
+
+    A request that samples a stop token in this step, or that is aborted before the next call, still computes one
+    more token in the planned step; `_take_ahead` drops it, and its blocks and state slot were freed by then (the
+    device runs the steps in order, so a later step never sees that write). Prefix caching's state blocks are
+    never planned ahead: the allocation for the next step releases the state blocks before the one it reads, which
+    this step's results would register as checkpoints.
+    """
+    out = current.out
+    if not self.overlap_decode_steps or current.rows is not None or self.scheduler.waiting:
+      return None
+    if self.manager.uses_state_blocks or len(out.sampling_request_ids) != len(out.scheduled):
+      return None
+    limit = self.scheduler.max_target_length
+    for request, n in out.scheduled:
+      p = request.sampling_params
+      if n != 1 or not p.is_greedy or p.logprobs is not None:
+        return None
+      if len(request.output_token_ids) + 1 >= p.max_tokens or request.num_tokens + 1 >= limit:
+        return None  # finishes by length in this step
+    computed = {}
+    for request, _ in out.scheduled:
+      rid = request.request_id
+      computed[rid] = out.num_computed_tokens[rid] + 1
+      if not self.manager.allocate_slots(rid, computed[rid], 1):
+        # The scheduler decides who is preempted. The requests before this one keep the room they got: the
+        # scheduler's allocation for the same token finds it.
+        return None
+    return SchedulerOutput(
+        scheduled=out.scheduled,
+        num_computed_tokens=computed,
+        sampling_request_ids=out.sampling_request_ids,
+        preempted_request_ids=(),
+        slots_to_zero=(),
+    )
+
+  def _take_ahead(self) -> _DispatchedStep | None:
+    """The step dispatched one call ahead, without the requests that finished or were aborted since it was planned
+    (their rows are ignored); None when there is none or none of its requests is left."""
+    ahead, self._ahead = self._ahead, None
+    if ahead is None:
+      return None
+    out = ahead.out
+    live = [i for i, (request, _) in enumerate(out.scheduled) if request.status == RequestStatus.RUNNING]
+    if len(live) == len(out.scheduled):
+      return ahead
+    if not live:
+      return None
+    kept = tuple(out.scheduled[i] for i in live)
+    ids = tuple(e.request.request_id for e in kept)
+    filtered = SchedulerOutput(
+        scheduled=kept,
+        num_computed_tokens={rid: out.num_computed_tokens[rid] for rid in ids},
+        sampling_request_ids=ids,
+        preempted_request_ids=(),
+        slots_to_zero=(),
+    )
+    return _DispatchedStep(filtered, ahead.token_ids, ahead.finite, rows=tuple(live))
 
   def has_unfinished_requests(self) -> bool:
     """Whether any request is still waiting or running, or an abort is not yet reported by `step()`."""

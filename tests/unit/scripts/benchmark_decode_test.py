@@ -25,7 +25,9 @@ def test_quick_run_reports_every_model_peer_and_batch_with_transformers_tokens(c
   assert benchmark.main(["--quick", "--json", "--peers", "maxtext", "transformers"]) == 0
   report = json.loads(capsys.readouterr().out)
   assert report["settings"] == {"batches": [1, 2], "prompt_len": 8, "new_tokens": 4, "repeats": 1}
-  assert report["bandwidth"]["gb_per_s"] > 0
+  probes = report["bandwidth"]["probes_gb_per_s"]
+  assert len(probes) == 4 and min(probes) > 0  # before the first checkpoint and after each of the three
+  assert report["bandwidth"]["gb_per_s"] == max(probes)
   rows = report["results"]
   assert [(r["model"], r["peer"], r["batch"]) for r in rows] == [
       (model, peer, batch)

@@ -2,13 +2,15 @@
 //
 // A decode step multiplies a few rows (one per request) by every weight matrix. XLA's CPU dot packs the weight
 // matrix on every call, so at 2 to 8 rows it runs far below both the memory bandwidth and the FMA throughput. These
-// kernels read each weight once, in place, with the rows of `x` in the 8 lanes of a vector register:
+// kernels read each weight once, in place:
 //
 //   maxtext_small_gemm_nn: y[M, N] = x[M, K] @ w[K, N]    (w row-major, as the dense layers store their kernels)
 //   maxtext_small_gemm_nt: y[M, N] = x[M, K] @ w[N, K]^T  (w row-major, as a tied output head stores the table)
 //
-// with 1 <= M <= 8 (one row of the NT product is a dot product per row of w, each task streaming a range of rows
-// front to back: interleaved streams of short rows read well below the bandwidth), and for routed experts
+// with 1 <= M <= 8 (the NN product of 2-8 rows and the NT product of 7-8 hold the rows of `x` in the 8 lanes of a
+// vector register; the NT product of 1-6 rows takes dot products of each row of w with the rows of x, each task
+// streaming a range of rows of w front to back: interleaved streams of short rows read well below the bandwidth),
+// and for routed experts
 //
 //   maxtext_expert_gemm:   y[r] = x[r] @ w[experts[r]]  (w [E, K, N], one matrix per expert, read where it lies)
 //
@@ -45,8 +47,10 @@ constexpr int64_t kMinChunkNN = 256;
 constexpr int64_t kMaxChunkNN = 2048;
 constexpr int64_t kRowsPerSlice = 128;
 constexpr int64_t kMaxSlices = 8;
-constexpr int64_t kChunkNT = 512;  // columns (rows of w) per task in the NT kernel (multiple of 8)
-constexpr int64_t kRowChunkNT = 1024;  // the same for one row of x (each task then reads K * 4 KiB of w)
+constexpr int64_t kChunkNT = 512;  // columns (rows of w) per task in the NT kernel of 7-8 rows (multiple of 8)
+constexpr int64_t kRowChunkNT = 1024;  // the same for 1-6 rows (each task then reads K * 4 KiB of w)
+// The NT kernel reads one row of w at a time up to kMaxRowsNT rows of x; with more, 8 rows of w side by side.
+constexpr int64_t kMaxRowsNT = 6;
 // One row of x reads rows of w of at least kLongRow floats (8 KiB) eight at a time (see RowAccumulate).
 constexpr int64_t kLongRow = 2048;
 // The expert kernel splits the rows of w into slices until it has kMinExpertTasks tasks, slices of at least
@@ -301,7 +305,30 @@ void NTRowChunk(const float* x, const float* w, float* y, int64_t k_size, int64_
   }
 }
 
-// A product's sizes and operands: x transposed into lanes (only for more than one row), w and y in place.
+// 2 to 6 rows: y[i][n] = x[i] . w[n] for n in [n0, n1), i < M; w [N, K] row-major, read one row at a time front to
+// back (one stream; NTChunk's 8 rows of w side by side, 8 interleaved streams, took 1.2-2.2 times as long over a
+// tied head at 2-6 rows), each vector of w multiplied into all M rows of x, which stay in the L1 cache. At 8 rows
+// NTChunk was as fast.
+template <int M>
+void NTRowsChunk(const float* x, const float* w, float* y, int64_t k_size, int64_t n_size, int64_t n0, int64_t n1) {
+  const int64_t k8 = k_size / 8 * 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wn = w + n * k_size;
+    __m256 acc[M];
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k8; k += 8) {
+      const __m256 wk = _mm256_loadu_ps(wn + k);
+      for (int i = 0; i < M; ++i) acc[i] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + i * k_size + k), acc[i]);
+    }
+    for (int i = 0; i < M; ++i) {
+      float sum = maxtext_cpu::HorizontalSum(acc[i]);
+      for (int64_t k = k8; k < k_size; ++k) sum = std::fma(x[i * k_size + k], wn[k], sum);
+      y[i * n_size + n] = sum;
+    }
+  }
+}
+
+// A product's sizes and operands: x transposed into lanes (only where a kernel reads it so), w and y in place.
 struct Product {
   int64_t m, k, n;
   std::shared_ptr<AlignedRows> xt;
@@ -326,7 +353,8 @@ ffi::Error Prepare(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w, ffi::Resu
   if (wk != p->k || yd[0] != p->m || yd[1] != p->n) {
     return ffi::Error::InvalidArgument("small_gemm: the shapes of x, w and y do not match");
   }
-  if (p->m > 1) p->xt = std::make_shared<AlignedRows>(x.typed_data(), p->m, p->k);  // one row is read in place
+  // The NN product of 2-8 rows and the NT product of 7-8 read x transposed into lanes; the others read it in place.
+  if (p->m > (transposed ? kMaxRowsNT : 1)) p->xt = std::make_shared<AlignedRows>(x.typed_data(), p->m, p->k);
   p->w = w.typed_data();
   p->y = y->typed_data();
   return ffi::Error::Success();
@@ -380,15 +408,23 @@ ffi::Error SmallGemmNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
   Product p;
   if (ffi::Error error = Prepare(x, w, y, true, &p); error.failure()) return error;
-  if (p.m == 1) {
-    const float* xs = x.typed_data();
-    ParallelChunks((p.n + kRowChunkNT - 1) / kRowChunkNT, [p, xs](int64_t c) {
-      NTRowChunk(xs, p.w, p.y, p.k, c * kRowChunkNT, std::min(p.n, (c + 1) * kRowChunkNT));
+  if (p.m > kMaxRowsNT) {
+    ParallelChunks((p.n + kChunkNT - 1) / kChunkNT, [p](int64_t c) {
+      NTChunk(p.xt->data(), p.w, p.y, p.m, p.k, p.n, c * kChunkNT, std::min(p.n, (c + 1) * kChunkNT));
     });
     return ffi::Error::Success();
   }
-  ParallelChunks((p.n + kChunkNT - 1) / kChunkNT, [p](int64_t c) {
-    NTChunk(p.xt->data(), p.w, p.y, p.m, p.k, p.n, c * kChunkNT, std::min(p.n, (c + 1) * kChunkNT));
+  const float* xs = x.typed_data();
+  ParallelChunks((p.n + kRowChunkNT - 1) / kRowChunkNT, [p, xs](int64_t c) {
+    const int64_t n0 = c * kRowChunkNT, n1 = std::min(p.n, (c + 1) * kRowChunkNT);
+    switch (p.m) {
+      case 1: NTRowChunk(xs, p.w, p.y, p.k, n0, n1); break;
+      case 2: NTRowsChunk<2>(xs, p.w, p.y, p.k, p.n, n0, n1); break;
+      case 3: NTRowsChunk<3>(xs, p.w, p.y, p.k, p.n, n0, n1); break;
+      case 4: NTRowsChunk<4>(xs, p.w, p.y, p.k, p.n, n0, n1); break;
+      case 5: NTRowsChunk<5>(xs, p.w, p.y, p.k, p.n, n0, n1); break;
+      default: NTRowsChunk<6>(xs, p.w, p.y, p.k, p.n, n0, n1); break;
+    }
   });
   return ffi::Error::Success();
 }

@@ -27,7 +27,7 @@ from maxtext.inference.kv_cache_manager import KVCacheManager, max_num_reqs
 from maxtext.inference.request import Request, RequestStatus
 from maxtext.inference.sampler import Sampler, TokenLogprobs
 from maxtext.inference.sampling_params import SamplingParams
-from maxtext.inference.scheduler import Scheduler, SchedulerOutput
+from maxtext.inference.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
@@ -106,6 +106,27 @@ def _no_previous_tokens(num_rows: int) -> tuple[np.ndarray, np.int32]:
   if num_rows not in _NO_PREVIOUS_TOKENS:
     _NO_PREVIOUS_TOKENS[num_rows] = np.zeros((num_rows,), np.int32)
   return _NO_PREVIOUS_TOKENS[num_rows], np.int32(0)
+
+
+def _step_inputs(leaves: Sequence[Any], kv_caches: Sequence[Any], batch: BatchInputs) -> tuple[Any, ...]:
+  """A step program's leading arguments for `batch`: the parameters' leaves, the caches, the token ids, the
+  attention metadata (host arrays) and the positions."""
+  metadata = make_attention_metadata(batch, on_device=False)
+  return (leaves, kv_caches, batch.input_ids, metadata, metadata_positions(metadata))
+
+
+def _decode_plan(
+    scheduled: Sequence[ScheduledRequest], num_computed_tokens: dict[str, int], sampling_request_ids: Sequence[str]
+) -> SchedulerOutput:
+  """A plan of decodes only, made by the engine (a step ahead, or one without finished requests): none preempted,
+  no state slot to zero."""
+  return SchedulerOutput(
+      scheduled=tuple(scheduled),
+      num_computed_tokens=num_computed_tokens,
+      sampling_request_ids=tuple(sampling_request_ids),
+      preempted_request_ids=(),
+      slots_to_zero=(),
+  )
 
 
 def _to_device(value: Any) -> Any:
@@ -273,20 +294,9 @@ class LLMEngine:
       scheduler.add_request(Request("background-compile", [0], SamplingParams(max_tokens=1, temperature=0.0)))
       out = scheduler.schedule()
       batch = build_batch(self.cfg, out, manager)
-      metadata = make_attention_metadata(batch, on_device=False)
       step, indices = self._greedy_program(batch, out.sampling_request_ids)
       prev, num_prev = _no_previous_tokens(indices.shape[0])
-      step.lower(
-          leaves,
-          kv_caches,
-          batch.input_ids,
-          metadata,
-          metadata_positions(metadata),
-          indices,
-          prev,
-          num_prev,
-          self.layer_map,
-      ).compile()
+      step.lower(*_step_inputs(leaves, kv_caches, batch), indices, prev, num_prev, self.layer_map).compile()
     except Exception as e:  # pylint: disable=broad-exception-caught  # an optimisation must not break the engine
       logger.warning("compiling the decode step in the background failed (it compiles when first used): %s", e)
 
@@ -445,14 +455,13 @@ class LLMEngine:
     With `prev_tokens` (the previous step's token ids, on the device), the batch's decode rows take their input
     tokens from it (a plan one step ahead: `_plan_ahead`).
     """
-    metadata = make_attention_metadata(batch, on_device=False)
     step_greedy, indices = self._greedy_program(batch, out.sampling_request_ids)
     if prev_tokens is None:
       prev_tokens, num_prev = _no_previous_tokens(indices.shape[0])
     else:
       num_prev = np.int32(batch.num_decodes)
     self._wait_for_background_compile(batch)  # never compile the same program twice at once
-    inputs = (self._state_leaves, self.kv_caches, batch.input_ids, metadata, metadata_positions(metadata))
+    inputs = _step_inputs(self._state_leaves, self.kv_caches, batch)
     self.kv_caches, token_ids, finite = step_greedy(*inputs, indices, prev_tokens, num_prev, self.layer_map)
     return token_ids, finite
 
@@ -461,8 +470,7 @@ class LLMEngine:
   ) -> dict[str, int]:
     """Runs the step of `out`, then samples on the host (any sampling parameters, logprobs); returns the tokens."""
     batch = build_batch(self.cfg, out, self.manager)
-    metadata = make_attention_metadata(batch, on_device=False)
-    inputs = (self._state_leaves, self.kv_caches, batch.input_ids, metadata, metadata_positions(metadata))
+    inputs = _step_inputs(self._state_leaves, self.kv_caches, batch)
     self.kv_caches, hidden = (self._step_small if self._is_small(batch) else self._step)(*inputs, self.layer_map)
     sampled: dict[str, int] = {}
     if params:
@@ -512,13 +520,7 @@ class LLMEngine:
         # The scheduler decides who is preempted. The requests before this one keep the room they got: the
         # scheduler's allocation for the same token finds it.
         return None
-    return SchedulerOutput(
-        scheduled=out.scheduled,
-        num_computed_tokens=computed,
-        sampling_request_ids=out.sampling_request_ids,
-        preempted_request_ids=(),
-        slots_to_zero=(),
-    )
+    return _decode_plan(out.scheduled, computed, out.sampling_request_ids)
 
   def _take_ahead(self) -> _DispatchedStep | None:
     """The step dispatched one call ahead, without the requests that finished or were aborted since it was planned
@@ -534,13 +536,7 @@ class LLMEngine:
       return None
     kept = tuple(out.scheduled[i] for i in live)
     ids = tuple(e.request.request_id for e in kept)
-    filtered = SchedulerOutput(
-        scheduled=kept,
-        num_computed_tokens={rid: out.num_computed_tokens[rid] for rid in ids},
-        sampling_request_ids=ids,
-        preempted_request_ids=(),
-        slots_to_zero=(),
-    )
+    filtered = _decode_plan(kept, {rid: out.num_computed_tokens[rid] for rid in ids}, ids)
     return _DispatchedStep(filtered, ahead.token_ids, ahead.finite, rows=tuple(live))
 
   def has_unfinished_requests(self) -> bool:

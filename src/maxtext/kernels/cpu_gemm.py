@@ -34,7 +34,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -52,6 +52,7 @@ MAX_EXPERT_ROWS = 1024  # (token, choice) rows up to which the routed experts ru
 TARGETS = {
     "nn": ("maxtext_small_gemm_nn", "MaxtextSmallGemmNN"),
     "nt": ("maxtext_small_gemm_nt", "MaxtextSmallGemmNT"),
+    "nn_many": ("maxtext_small_gemm_nn_many", "MaxtextSmallGemmNNMany"),
     "experts": ("maxtext_expert_gemm", "MaxtextExpertGemm"),
     "attention": ("maxtext_paged_attention", "MaxtextPagedAttention"),  # served by cpu_attention.py
 }
@@ -219,17 +220,22 @@ def _serves(rows: int, low: int, high: int, dtypes: tuple[jnp.dtype, ...]) -> bo
 
 
 def _call(kind: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  _check(kind, x, w)
+  n_axis = 1 if kind == "nn" else 0
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[n_axis]), jnp.float32)
+  return jax.ffi.ffi_call(TARGETS[kind][0], out)(x, w)
+
+
+def _check(kind: str, x: jax.Array, w: jax.Array) -> None:
   if x.ndim != 2 or w.ndim != 2:
     raise ValueError(f"small-batch matmul takes 2-D operands, got x {x.shape} and w {w.shape}")
   if not 1 <= x.shape[0] <= MAX_ROWS:
     raise ValueError(f"small-batch matmul takes 1 to {MAX_ROWS} rows, got x {x.shape}")
-  k_axis, n_axis = (0, 1) if kind == "nn" else (1, 0)
+  k_axis = 0 if kind == "nn" else 1
   if x.shape[1] != w.shape[k_axis]:
     raise ValueError(f"small-batch matmul: x {x.shape} and w {w.shape} ({kind}) do not share their inner size")
   if x.dtype != jnp.float32 or w.dtype != jnp.float32:
     raise ValueError(f"small-batch matmul takes float32 operands, got x {x.dtype} and w {w.dtype}")
-  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[n_axis]), jnp.float32)
-  return jax.ffi.ffi_call(TARGETS[kind][0], out)(x, w)
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -246,6 +252,34 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     ValueError: the operands are not 2-D float32 with 1 to 8 rows in `x` and the same K.
   """
   return _call("nn", x, w)
+
+
+def matmuls(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+  """`x @ w` for every `w` in `ws`, by the kernel in one call (call `load()` first).
+
+  The projections a layer takes from one input (queries, keys and values; gate and up) then share one call, its
+  fixed cost and its threads' hand-over: each product alone is a few hundred KB to a few MB at one to 8 rows. Each
+  result equals `matmul(x, w)` bit for bit.
+
+  Args:
+    x: `[M, K]` float32, 1 <= M <= 8.
+    ws: one or more `[K, N_i]` float32.
+
+  Returns:
+    One `[M, N_i]` float32 per `w`.
+
+  Raises:
+    ValueError: `ws` is empty, or an operand fails `matmul`'s checks (the message names which `w`).
+  """
+  if not ws:
+    raise ValueError("small-batch matmuls takes one or more w, got none")
+  for i, w in enumerate(ws):
+    try:
+      _check("nn", x, w)
+    except ValueError as e:
+      raise ValueError(f"ws[{i}]: {e}") from None
+  out = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in ws)
+  return tuple(jax.ffi.ffi_call(TARGETS["nn_many"][0], out)(x, *ws))
 
 
 def matmul_transposed(x: jax.Array, w: jax.Array) -> jax.Array:

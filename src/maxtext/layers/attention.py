@@ -21,7 +21,7 @@ from maxtext.kernels.backend import KernelBackend
 from maxtext.kernels.cache_spec import AttentionSpec, kv_cache_dtype
 from maxtext.kernels.kv_cache_layout import get_padded_num_heads
 from maxtext.layers.initializers import draw_key, uniform
-from maxtext.layers.linears import DenseGeneral
+from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mixer import KV, Mixer, register_mixer
 from maxtext.layers.normalizations import RMSNorm
 from maxtext.layers.rotary import RopeSpec, apply_rope
@@ -239,19 +239,36 @@ class Attention(Mixer):
 
   def query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     """Queries after q-norm and RoPE: `[..., T, D] -> [..., T, Hq, Dh]`."""
-    q = self.q(x)
-    if self.q_norm is not None:
-      q = self.q_norm(q)
-    return q if self.rope is None else apply_rope(q, positions, self.rope)
+    return self._finish_query(self.q(x), positions)
 
   def key_value(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Keys (k-norm, RoPE) and values: `[..., T, D] -> ([..., T, Hkv, Dh], [..., T, Hkv, Dh])`."""
     if self.k is None:
       raise ValueError("this attention layer is KV-shared: it has no k/v projections; pass the source layer's K/V")
-    k = self.k(x)
+    return self._finish_key(self.k(x), positions), self.v(x)
+
+  def projections(
+      self, x: jax.Array, positions: jax.Array
+  ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
+    """`query`, `key_value` (None, None for a KV-shared layer) and the output gate's logits (None without the gate),
+    their projections of `x` taken together (`project`: one kernel call where the small-batch kernel serves)."""
+    layers = (self.q,) + (() if self.k is None else (self.k, self.v)) + (() if self.gate is None else (self.gate,))
+    outputs = list(project(x, layers))
+    q = self._finish_query(outputs.pop(0), positions)
+    k = v = None
+    if self.k is not None:
+      k, v = self._finish_key(outputs.pop(0), positions), outputs.pop(0)
+    return q, k, v, (outputs.pop(0) if self.gate is not None else None)
+
+  def _finish_query(self, q: jax.Array, positions: jax.Array) -> jax.Array:
+    if self.q_norm is not None:
+      q = self.q_norm(q)
+    return q if self.rope is None else apply_rope(q, positions, self.rope)
+
+  def _finish_key(self, k: jax.Array, positions: jax.Array) -> jax.Array:
     if self.k_norm is not None:
       k = self.k_norm(k)
-    return (k if self.rope is None else apply_rope(k, positions, self.rope)), self.v(x)
+    return k if self.rope is None else apply_rope(k, positions, self.rope)
 
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Dense causal core op over a full sequence: `[B, T, Hq, Dh]`, `[B, T, Hkv, Dh]` x2 -> `[B, T, Hq, Dh]`."""
@@ -263,10 +280,11 @@ class Attention(Mixer):
     """`[Hq]` fp32 sink logits, or None."""
     return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
-  def output(self, attn: jax.Array, x: jax.Array) -> jax.Array:
-    """Output gate (sigmoid of `gate(x)`, per head and dim) then `o`: `[..., Hq, Dh]` -> `[..., D]`."""
+  def output(self, attn: jax.Array, x: jax.Array, gate_logits: jax.Array | None = None) -> jax.Array:
+    """Output gate (sigmoid of `gate(x)`, per head and dim; `gate_logits` when already computed) then `o`:
+    `[..., Hq, Dh]` -> `[..., D]`."""
     if self.gate is not None:
-      attn = attn * jax.nn.sigmoid(self.gate(x))
+      attn = attn * jax.nn.sigmoid(self.gate(x) if gate_logits is None else gate_logits)
     return self.o(attn)
 
   def paged(
@@ -290,11 +308,8 @@ class Attention(Mixer):
     Returns:
       output `[T, D]` and the cache (the same object for KV-shared layers).
     """
-    q = self.query(x, positions)
-    if self.is_kv_shared:
-      k = v = None
-    else:
-      k, v = self.key_value(x, positions)
+    q, k, v, gate_logits = self.projections(x, positions)
+    if not self.is_kv_shared:
       if self.cache_kv_heads != self.num_kv_heads:
         replicas = self.cache_kv_heads // self.num_kv_heads
         k, v = jnp.repeat(k, replicas, axis=1), jnp.repeat(v, replicas, axis=1)
@@ -316,7 +331,7 @@ class Attention(Mixer):
     )
     if self.is_kv_shared:
       new_cache = kv_cache  # Readers hand back the object they were given: exactly one writer per slot.
-    return self.output(out.astype(self.dtype), x), new_cache
+    return self.output(out.astype(self.dtype), x, gate_logits), new_cache
 
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
       self,

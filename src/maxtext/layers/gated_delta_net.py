@@ -19,7 +19,7 @@ from maxtext.kernels.attention_metadata import AttentionMetadata, recurrent_stat
 from maxtext.kernels.backend import KernelBackend
 from maxtext.kernels.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
 from maxtext.layers.initializers import draw_key, fan_in_uniform, uniform
-from maxtext.layers.linears import DenseGeneral
+from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mixer import KV, Mixer, register_mixer
 from maxtext.layers.normalizations import RMSNorm, gated_rms_norm
 
@@ -263,8 +263,8 @@ class GatedDeltaNet(Mixer):
 
   def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Input projections: `[..., D]` -> qkv `[..., C]`, z `[..., nv, hv]`, b `[..., nv]`, a `[..., nv]`."""
-    z = self.z(x)
-    return self.qkv(x), z.reshape(*z.shape[:-1], self.nv, self.hv), self.b(x), self.a(x)
+    qkv, z, b, a = project(x, (self.qkv, self.z, self.b, self.a))
+    return qkv, z.reshape(*z.shape[:-1], self.nv, self.hv), b, a
 
   def split_qkv(self, conv_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Splits post-conv channels `[..., C]` into raw q `[..., nk, hk]`, k `[..., nk, hk]`, v `[..., nv, hv]`."""

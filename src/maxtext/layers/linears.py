@@ -77,7 +77,42 @@ class DenseGeneral(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
     """Applies the projection: `[..., *in] -> [..., *out]`."""
-    if x.shape[x.ndim - len(self.in_shape) :] != self.in_shape:
-      raise ValueError(f"DenseGeneral expects trailing input axes {self.in_shape}, got input shape {x.shape}")
+    _check_input(x, self.in_shape)
     bias = None if self.bias is None else self.bias[...]
     return dense_general(x, self.kernel[...], bias, num_in_axes=len(self.in_shape), dtype=self.dtype)
+
+
+def _check_input(x: jax.Array, in_shape: tuple[int, ...]) -> None:
+  if x.shape[x.ndim - len(in_shape) :] != in_shape:
+    raise ValueError(f"DenseGeneral expects trailing input axes {in_shape}, got input shape {x.shape}")
+
+
+def project(x: jax.Array, layers: Sequence[DenseGeneral]) -> tuple[jax.Array, ...]:
+  """`layer(x)` for each of `layers`: the projections a block takes from one input (queries, keys and values; gate
+  and up).
+
+  Where the small-batch kernel serves the step (`cpu_gemm.applies`) and the layers share their input axes and
+  compute dtype, all of them run in one kernel call (`cpu_gemm.matmuls`), with results equal bit for bit to the
+  layers called one by one; otherwise the layers are called one by one.
+
+  Raises:
+    ValueError: `layers` is empty, or `x`'s trailing axes are not a layer's input axes.
+  """
+  if not layers:
+    raise ValueError("project takes one or more layers, got none")
+  first = layers[0]
+  if len(layers) == 1 or any(l.in_shape != first.in_shape or l.dtype != first.dtype for l in layers):
+    return tuple(layer(x) for layer in layers)
+  _check_input(x, first.in_shape)
+  num_in_axes, dtype = len(first.in_shape), first.dtype
+  batch_shape = x.shape[: x.ndim - num_in_axes]
+  rows, size_in = math.prod(batch_shape), math.prod(first.in_shape)
+  if not cpu_gemm.applies(rows, dtype):
+    return tuple(layer(x) for layer in layers)
+  kernels = [l.kernel[...].astype(dtype).reshape(size_in, math.prod(l.out_shape)) for l in layers]
+  flats = cpu_gemm.matmuls(x.astype(dtype).reshape(rows, size_in), kernels)
+  outputs = []
+  for layer, flat in zip(layers, flats):
+    y = flat.reshape(batch_shape + layer.out_shape)
+    outputs.append(y if layer.bias is None else y + layer.bias[...].astype(dtype))
+  return tuple(outputs)

@@ -24,7 +24,7 @@ from maxtext.kernels.backend import KernelBackend
 from maxtext.kernels.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
 from maxtext.layers.gated_delta_net import causal_conv1d
 from maxtext.layers.initializers import draw_key, fan_in_uniform, uniform
-from maxtext.layers.linears import DenseGeneral
+from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mixer import KV, Mixer, register_mixer
 
 
@@ -252,7 +252,8 @@ class Mamba2(Mixer):
 
   def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The input projection: `[..., D]` -> z `[..., I]`, xBC `[..., C]`, dt `[..., nh]`."""
-    return self.z(x), self.xbc(x), self.dt(x)
+    z, xbc, dt = project(x, (self.z, self.xbc, self.dt))
+    return z, xbc, dt
 
   def split(self, conv_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Post-conv channels `[..., C]` -> x `[..., nh, hd]`, B and C `[..., nh, N]` (groups repeated to heads)."""

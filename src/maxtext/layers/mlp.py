@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtext.layers.linears import DenseGeneral
+from maxtext.layers.linears import DenseGeneral, project
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
@@ -52,4 +52,5 @@ class MLP(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
     """`[..., D] -> [..., D]`."""
     act = get_activation(self.activation)
-    return self.down(act(self.gate(x)) * self.up(x))
+    gate, up = project(x, (self.gate, self.up))
+    return self.down(act(gate) * up)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from maxtext.kernels import cpu_gemm
 from maxtext.layers import embeddings, linears
@@ -225,6 +226,108 @@ def test_dense_general_takes_the_kernel_for_small_batches_only(rows):
   assert y.shape == (rows, 24) and z.shape == (rows, 4, 16)
   _close(y, want_y)
   _close(np.asarray(z).reshape(rows, 64), want_z)
+
+
+# (M, K, widths): the products of one call take every path of the NN kernel side by side: one row (short rows of w,
+# rows read eight at a time, a width below 8), 2-8 rows narrow (slices of rows of w) and wide (chunks of columns).
+_MANY_CASES = [
+    (1, 512, [512, 256, 256]),
+    (1, 301, [2055, 16, 16, 3]),
+    (3, 45, [300, 2100, 1]),
+    (8, 512, [1536, 1536]),
+    (5, 130, [4100, 17]),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, k, widths", _MANY_CASES)
+def test_matmuls_equal_each_matmul_bit_for_bit(m, k, widths):
+  assert cpu_gemm.load()
+  rng = np.random.default_rng(m * 1000 + k)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  ws = [rng.standard_normal((k, n)).astype(np.float32) for n in widths]
+  together = jax.jit(cpu_gemm.matmuls)(x, ws)
+  assert len(together) == len(ws)
+  for w, y in zip(ws, together):
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(cpu_gemm.matmul)(x, w)))
+    _close(y, _reference(x, w))
+
+
+@pytest.mark.parametrize(
+    "ws, match",
+    [
+        ([], r"one or more w, got none"),
+        ([jnp.zeros((4, 5)), jnp.zeros((3, 5))], r"ws\[1\]: .*x \(2, 4\) and w \(3, 5\) \(nn\) do not share"),
+        ([jnp.zeros((4, 5), jnp.bfloat16)], r"ws\[0\]: small-batch matmul takes float32 operands"),
+    ],
+)
+def test_matmuls_rejects_what_the_kernel_cannot_take(ws, match):
+  with pytest.raises(ValueError, match=match):
+    cpu_gemm.matmuls(jnp.zeros((2, 4)), ws)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "results, match",
+    [
+        ([(2, 5)], r"takes x, one or more w and as many results"),
+        ([(2, 5), (2, 7)], r"the shapes of x, w and y do not match"),
+    ],
+)
+def test_matmuls_kernel_checks_its_operands(results, match):
+  """The library's own checks, reached by calling its target directly (`matmuls` checks first)."""
+  assert cpu_gemm.load()
+  out = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in results]
+  call = jax.ffi.ffi_call(cpu_gemm.TARGETS["nn_many"][0], out)
+  x, w = np.ones((2, 4), np.float32), np.ones((4, 5), np.float32)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+    jax.block_until_ready(jax.jit(call)(x, w, w))
+
+
+def _count_kernel_calls(fn, *args) -> int:
+  return str(jax.make_jaxpr(lambda *a: fn(*a))(*args)).count("ffi_call")  # pylint: disable=unnecessary-lambda
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_project_takes_one_kernel_call_for_small_batches(rows):
+  """Queries, keys and values with biases and multi-axis outputs: one call up to 8 rows, equal bit for bit to the
+  layers called one by one; past 8 rows, XLA's dot per layer."""
+  rngs = nnx.Rngs(rows)
+  layers = [
+      linears.DenseGeneral(32, (4, 8), use_bias=True, rngs=rngs),
+      linears.DenseGeneral(32, (2, 8), use_bias=True, rngs=rngs),
+      linears.DenseGeneral(32, 5, rngs=rngs),
+  ]
+  for layer in layers[:2]:
+    layer.bias[...] = jnp.asarray(np.random.default_rng(rows).standard_normal(layer.out_shape), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(rows + 1).standard_normal((rows, 32)), jnp.float32)
+  with cpu_gemm.enabled():
+    assert _count_kernel_calls(lambda x: linears.project(x, layers), x) == (1 if rows <= 8 else 0)
+    together = linears.project(x, layers)
+    one_by_one = [layer(x) for layer in layers]
+  for layer, got, want in zip(layers, together, one_by_one):
+    assert got.shape == (rows,) + layer.out_shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    bias = 0.0 if layer.bias is None else np.asarray(layer.bias[...]).reshape(-1)
+    _close(
+        np.asarray(got).reshape(rows, -1), _reference(np.asarray(x), np.asarray(layer.kernel[...]).reshape(32, -1)) + bias
+    )
+
+
+@needs_kernel
+def test_project_calls_layers_of_other_inputs_one_by_one():
+  rngs = nnx.Rngs(0)
+  layers = [linears.DenseGeneral(32, 8, rngs=rngs), linears.DenseGeneral((4, 8), 8, rngs=rngs)]
+  x = jnp.ones((2, 4, 8), jnp.float32)
+  with cpu_gemm.enabled():
+    assert _count_kernel_calls(lambda x: linears.project(x, layers[1:]), x) == 1
+    with pytest.raises(ValueError, match=r"trailing input axes \(32,\), got input shape \(2, 4, 8\)"):
+      linears.project(x, layers)
+    with pytest.raises(ValueError, match=r"trailing input axes \(4, 8\), got input shape \(2, 32\)"):
+      linears.project(jnp.ones((2, 32)), layers[1:] * 2)
+  with pytest.raises(ValueError, match=r"one or more layers, got none"):
+    linears.project(x, [])
 
 
 @needs_kernel

@@ -336,9 +336,10 @@ struct Product {
   float* y;
 };
 
-// Checks the shapes (w [K, N], or [N, K] when `transposed`) and prepares the product.
+// Checks the shapes (w [K, N], or [N, K] when `transposed`) and prepares the product. `xt`, when given, is x already
+// transposed into lanes (for another product of the same x).
 ffi::Error Prepare(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w, ffi::ResultBuffer<ffi::F32>& y, bool transposed,
-                   Product* p) {
+                   Product* p, std::shared_ptr<AlignedRows> xt = nullptr) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto yd = y->dimensions();
@@ -354,53 +355,127 @@ ffi::Error Prepare(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w, ffi::Resu
     return ffi::Error::InvalidArgument("small_gemm: the shapes of x, w and y do not match");
   }
   // The NN product of 2-8 rows and the NT product of 7-8 read x transposed into lanes; the others read it in place.
-  if (p->m > (transposed ? kMaxRowsNT : 1)) p->xt = std::make_shared<AlignedRows>(x.typed_data(), p->m, p->k);
+  if (p->m > (transposed ? kMaxRowsNT : 1)) {
+    p->xt = xt != nullptr ? std::move(xt) : std::make_shared<AlignedRows>(x.typed_data(), p->m, p->k);
+  }
   p->w = w.typed_data();
   p->y = y->typed_data();
   return ffi::Error::Success();
 }
 
+// One NN product y = x @ w cut into tasks: `Run(task)` for task in [0, tasks()) on any thread in any order, then
+// `Finish()` on the calling thread. The partial sums live in the object, so keep it until Finish.
+class NNProduct {
+ public:
+  // x [m, k] in place; xt x transposed into lanes (read for 2-8 rows; may be null for one row); w [k, n]; y [m, n].
+  NNProduct(const float* x, const AlignedRows* xt, int64_t m, int64_t k, int64_t n, const float* w, float* y)
+      : x_(x), xt_(xt), m_(m), k_(k), n_(n), w_(w), y_(y), slices_(k) {
+    if (m == 1) {
+      // One row: slices of whole rows of w, each read front to back as one stream into its own sums, added in
+      // slice order.
+      mode_ = kRow;
+      tasks_ = slices_.count;
+      partial_.assign(slices_.count * n, 0.0f);
+      base_ = partial_.data();
+    } else if (n > kMaxChunkNN) {
+      // Wide: chunks of whole columns (all of K), each summed in its own buffer and written out by its task.
+      mode_ = kColumns;
+      width_ = std::min<int64_t>(kMaxChunkNN, std::max<int64_t>(kMinChunkNN, (n / 4 + 7) / 8 * 8));
+      tasks_ = (n + width_ - 1) / width_;
+    } else {
+      // Narrow: slices of whole rows of w (one contiguous stretch of memory each, which the hardware prefetcher
+      // follows), each summed into its own buffer; the slices' sums are added in slice order, so the result does
+      // not depend on which thread ran which slice.
+      mode_ = kSlices;
+      tasks_ = slices_.count;
+      partial_.assign(slices_.count * n * kLanes + kLanes, 0.0f);
+      base_ = Align32(partial_.data());
+    }
+  }
+  NNProduct(const NNProduct&) = delete;
+  NNProduct& operator=(const NNProduct&) = delete;
+
+  int64_t tasks() const { return tasks_; }
+
+  void Run(int64_t c) const {
+    switch (mode_) {
+      case kRow:
+        RowAccumulate(x_, w_, base_ + c * n_, slices_.begin(c), slices_.end(c), n_, 0, n_);
+        break;
+      case kColumns: {
+        alignas(32) float acc_buf[kMaxChunkNN * kLanes];
+        const int64_t n0 = c * width_, n1 = std::min(n_, (c + 1) * width_);
+        std::memset(acc_buf, 0, sizeof(float) * (n1 - n0) * kLanes);
+        NNAccumulate(xt_->data(), w_, acc_buf, 0, k_, n_, n0, n1);
+        NNStore(acc_buf, y_, m_, n_, n0, n1);
+        break;
+      }
+      case kSlices:
+        NNAccumulate(xt_->data(), w_, base_ + c * n_ * kLanes, slices_.begin(c), slices_.end(c), n_, 0, n_);
+        break;
+    }
+  }
+
+  void Finish() const {
+    if (mode_ == kRow) {
+      AddSlices(base_, slices_.count, n_, n_);
+      std::memcpy(y_, base_, sizeof(float) * n_);
+    } else if (mode_ == kSlices) {
+      AddSlices(base_, slices_.count, n_ * kLanes, n_ * kLanes);
+      NNStore(base_, y_, m_, n_, 0, n_);
+    }
+  }
+
+ private:
+  enum Mode { kRow, kColumns, kSlices };
+  const float* x_;
+  const AlignedRows* xt_;
+  int64_t m_, k_, n_;
+  const float* w_;
+  float* y_;
+  RowSlices slices_;
+  Mode mode_ = kRow;
+  int64_t tasks_ = 0, width_ = 0;
+  std::vector<float> partial_;
+  float* base_ = nullptr;
+};
+
 ffi::Error SmallGemmNN(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
   Product p;
   if (ffi::Error error = Prepare(x, w, y, false, &p); error.failure()) return error;
-  if (p.m == 1) {
-    // One row: slices of whole rows of w, each read front to back as one stream into its own sums, added in slice
-    // order.
-    const RowSlices s(p.k);
-    auto partial = std::make_shared<std::vector<float>>(s.count * p.n, 0.0f);
-    float* base = partial->data();
-    const float* xs = x.typed_data();
-    ParallelChunks(s.count, [p, partial, base, s, xs](int64_t c) {
-      RowAccumulate(xs, p.w, base + c * p.n, s.begin(c), s.end(c), p.n, 0, p.n);
-    });
-    AddSlices(base, s.count, p.n, p.n);
-    std::memcpy(p.y, base, sizeof(float) * p.n);
-    return ffi::Error::Success();
+  const NNProduct product(x.typed_data(), p.xt.get(), p.m, p.k, p.n, p.w, p.y);
+  ParallelChunks(product.tasks(), [&product](int64_t c) { product.Run(c); });
+  product.Finish();
+  return ffi::Error::Success();
+}
+
+// Several NN products of one x: y_i = x @ w_i (w_i [K, N_i], y_i [M, N_i]), all of their tasks in one parallel
+// call, so the projections a layer takes from one input (queries, keys and values; gate and up) cost one call. Each
+// y_i is computed exactly as SmallGemmNN computes it alone.
+ffi::Error SmallGemmNNMany(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
+  if (ws.size() == 0 || ws.size() != ys.size()) {
+    return ffi::Error::InvalidArgument("small_gemm_nn_many: takes x, one or more w and as many results");
   }
-  if (p.n > kMaxChunkNN) {
-    // Wide: chunks of whole columns (all of K), each summed in its own buffer and written out by its task.
-    const int64_t width = std::min<int64_t>(kMaxChunkNN, std::max<int64_t>(kMinChunkNN, (p.n / 4 + 7) / 8 * 8));
-    ParallelChunks((p.n + width - 1) / width, [p, width](int64_t c) {
-      alignas(32) float acc_buf[kMaxChunkNN * kLanes];
-      const int64_t n0 = c * width, n1 = std::min(p.n, (c + 1) * width);
-      std::memset(acc_buf, 0, sizeof(float) * (n1 - n0) * kLanes);
-      NNAccumulate(p.xt->data(), p.w, acc_buf, 0, p.k, p.n, n0, n1);
-      NNStore(acc_buf, p.y, p.m, p.n, n0, n1);
-    });
-    return ffi::Error::Success();
+  std::vector<std::unique_ptr<NNProduct>> products;
+  std::vector<int64_t> first_task = {0};
+  std::shared_ptr<AlignedRows> xt;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (w.has_error()) return w.error();
+    if (y.has_error()) return y.error();
+    Product p;
+    if (ffi::Error error = Prepare(x, *w, *y, false, &p, xt); error.failure()) return error;
+    xt = p.xt;  // built by the first product (2-8 rows), shared by the others
+    products.push_back(std::make_unique<NNProduct>(x.typed_data(), xt.get(), p.m, p.k, p.n, p.w, p.y));
+    first_task.push_back(first_task.back() + products.back()->tasks());
   }
-  // Narrow: slices of whole rows of w (one contiguous stretch of memory each, which the hardware prefetcher
-  // follows), each summed into its own buffer; the slices' sums are added in slice order, so the result does not
-  // depend on which thread ran which slice.
-  const RowSlices s(p.k);
-  auto partial = std::make_shared<std::vector<float>>(s.count * p.n * kLanes + kLanes, 0.0f);
-  float* base = Align32(partial->data());
-  ParallelChunks(s.count, [p, partial, base, s](int64_t c) {
-    NNAccumulate(p.xt->data(), p.w, base + c * p.n * kLanes, s.begin(c), s.end(c), p.n, 0, p.n);
+  ParallelChunks(first_task.back(), [&products, &first_task](int64_t task) {
+    const int64_t i = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+    products[i]->Run(task - first_task[i]);
   });
-  AddSlices(base, s.count, p.n * kLanes, p.n * kLanes);
-  NNStore(base, p.y, p.m, p.n, 0, p.n);
+  for (const auto& product : products) product->Finish();
   return ffi::Error::Success();
 }
 
@@ -533,6 +608,8 @@ ffi::Error ExpertGemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNN, SmallGemmNN, MAXTEXT_SMALL_GEMM_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNT, SmallGemmNT, MAXTEXT_SMALL_GEMM_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNNMany, SmallGemmNNMany,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().RemainingArgs().RemainingRets());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextExpertGemm, ExpertGemm,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -6,7 +6,8 @@ row reads about two thirds of it. `cpu/small_gemm.cc` reads each weight once, in
 of a vector register, one row as one front-to-back stream per slice of the matrix's rows, and splits the work
 between the calling thread and the library's helper threads (`cpu/parallel.h`). Routed experts
 have a third product, `expert_matmul`: each (token, choice) row times its expert's matrix, read where it lies in
-the stacked `[E, K, N]` weights (XLA copies a matrix it slices out of them before multiplying).
+the stacked `[E, K, N]` weights (XLA copies a matrix it slices out of them before multiplying). `matmuls` runs
+several products of one input (a block's projections, through `linears.project`) in one call.
 
 The same library holds the paged attention handler (`cpu/paged_attention.cc`), which `cpu_attention.py` serves.
 
@@ -16,7 +17,7 @@ compiler and JAX's FFI headers, then registers its handlers with XLA. Without a 
 when the build fails, `load()` says why once in the log and XLA's dot is used: the kernel is an optimisation, never a
 requirement.
 
-Model code calls `matmul` / `matmul_transposed` / `expert_matmul` only inside `enabled()` (the engine turns it on
+Model code calls `matmul` / `matmuls` / `matmul_transposed` / `expert_matmul` only inside `enabled()` (the engine turns it on
 while it traces its step programs on a single CPU device); everywhere else, and on other backends, the products
 stay XLA dots.
 """

@@ -6,6 +6,7 @@
 //
 //   maxtext_small_gemm_nn: y[M, N] = x[M, K] @ w[K, N]    (w row-major, as the dense layers store their kernels)
 //   maxtext_small_gemm_nt: y[M, N] = x[M, K] @ w[N, K]^T  (w row-major, as a tied output head stores the table)
+//   maxtext_small_gemm_nn_many: y_i = x @ w_i for several w_i  (one input's projections, their tasks in one call)
 //
 // with 1 <= M <= 8 (the NN product of 2-8 rows and the NT product of 7-8 hold the rows of `x` in the 8 lanes of a
 // vector register; the NT product of 1-6 rows takes dot products of each row of w with the rows of x, each task

@@ -17,9 +17,9 @@ compiler and JAX's FFI headers, then registers its handlers with XLA. Without a 
 when the build fails, `load()` says why once in the log and XLA's dot is used: the kernel is an optimisation, never a
 requirement.
 
-Model code calls `matmul` / `matmuls` / `matmul_transposed` / `expert_matmul` only inside `enabled()` (the engine turns it on
-while it traces its step programs on a single CPU device); everywhere else, and on other backends, the products
-stay XLA dots.
+Model code calls `matmul` / `matmuls` / `matmul_transposed` / `expert_matmul` only inside `enabled()` (the engine
+turns it on while it traces its step programs on a single CPU device); everywhere else, and on other backends, the
+products stay XLA dots.
 """
 
 from __future__ import annotations

@@ -35,21 +35,37 @@ def dense_general(
   Returns:
     `[..., *out_shape]` in `dtype`.
   """
+  return dense_generals(x, (kernel,), (bias,), num_in_axes=num_in_axes, dtype=dtype)[0]
+
+
+def dense_generals(
+    x: jax.Array,
+    kernels: Sequence[jax.Array],
+    biases: Sequence[jax.Array | None],
+    *,
+    num_in_axes: int,
+    dtype: jnp.dtype,
+) -> tuple[jax.Array, ...]:
+  """`dense_general` of one `x` with each kernel and its bias (same arguments, one result per kernel).
+
+  Where the small-batch kernel serves the product (`cpu_gemm.applies`), several kernels run in one call
+  (`cpu_gemm.matmuls`, bit for bit the results of one call each); otherwise each is its own XLA dot.
+  """
   x = x.astype(dtype)
-  kernel = kernel.astype(dtype)
+  kernels = [kernel.astype(dtype) for kernel in kernels]
   batch_shape, in_shape = x.shape[: x.ndim - num_in_axes], x.shape[x.ndim - num_in_axes :]
   rows, size_in = math.prod(batch_shape), math.prod(in_shape)
-  if cpu_gemm.applies(rows, x.dtype, kernel.dtype):
-    out_shape = kernel.shape[num_in_axes:]
-    flat = cpu_gemm.matmul(x.reshape(rows, size_in), kernel.reshape(size_in, math.prod(out_shape)))
-    y = flat.reshape(batch_shape + out_shape)
+  out_shapes = [kernel.shape[num_in_axes:] for kernel in kernels]
+  if cpu_gemm.applies(rows, x.dtype, *(kernel.dtype for kernel in kernels)):
+    flat_x = x.reshape(rows, size_in)
+    flat_kernels = [kernel.reshape(size_in, math.prod(out)) for kernel, out in zip(kernels, out_shapes)]
+    flats = (cpu_gemm.matmul(flat_x, flat_kernels[0]),) if len(kernels) == 1 else cpu_gemm.matmuls(flat_x, flat_kernels)
+    ys = [flat.reshape(batch_shape + out) for flat, out in zip(flats, out_shapes)]
   else:
     contract_x = tuple(range(x.ndim - num_in_axes, x.ndim))
     contract_k = tuple(range(num_in_axes))
-    y = jax.lax.dot_general(x, kernel, ((contract_x, contract_k), ((), ())))
-  if bias is not None:
-    y = y + bias.astype(dtype)
-  return y
+    ys = [jax.lax.dot_general(x, kernel, ((contract_x, contract_k), ((), ()))) for kernel in kernels]
+  return tuple(y if bias is None else y + bias.astype(dtype) for y, bias in zip(ys, biases))
 
 
 class DenseGeneral(nnx.Module):
@@ -91,9 +107,9 @@ def project(x: jax.Array, layers: Sequence[DenseGeneral]) -> tuple[jax.Array, ..
   """`layer(x)` for each of `layers`: the projections a block takes from one input (queries, keys and values; gate
   and up).
 
-  Where the small-batch kernel serves the step (`cpu_gemm.applies`) and the layers share their input axes and
-  compute dtype, all of them run in one kernel call (`cpu_gemm.matmuls`), with results equal bit for bit to the
-  layers called one by one; otherwise the layers are called one by one.
+  Layers that share their input axes and compute dtype go through `dense_generals` together: one kernel call where
+  the small-batch kernel serves the step, with results equal bit for bit to the layers called one by one; other
+  layers are called one by one.
 
   Raises:
     ValueError: `layers` is empty, or `x`'s trailing axes are not a layer's input axes.
@@ -101,18 +117,13 @@ def project(x: jax.Array, layers: Sequence[DenseGeneral]) -> tuple[jax.Array, ..
   if not layers:
     raise ValueError("project takes one or more layers, got none")
   first = layers[0]
-  if len(layers) == 1 or any(l.in_shape != first.in_shape or l.dtype != first.dtype for l in layers):
+  if any(l.in_shape != first.in_shape or l.dtype != first.dtype for l in layers):
     return tuple(layer(x) for layer in layers)
   _check_input(x, first.in_shape)
-  num_in_axes, dtype = len(first.in_shape), first.dtype
-  batch_shape = x.shape[: x.ndim - num_in_axes]
-  rows, size_in = math.prod(batch_shape), math.prod(first.in_shape)
-  if not cpu_gemm.applies(rows, dtype):
-    return tuple(layer(x) for layer in layers)
-  kernels = [l.kernel[...].astype(dtype).reshape(size_in, math.prod(l.out_shape)) for l in layers]
-  flats = cpu_gemm.matmuls(x.astype(dtype).reshape(rows, size_in), kernels)
-  outputs = []
-  for layer, flat in zip(layers, flats):
-    y = flat.reshape(batch_shape + layer.out_shape)
-    outputs.append(y if layer.bias is None else y + layer.bias[...].astype(dtype))
-  return tuple(outputs)
+  return dense_generals(
+      x,
+      [l.kernel[...] for l in layers],
+      [None if l.bias is None else l.bias[...] for l in layers],
+      num_in_axes=len(first.in_shape),
+      dtype=first.dtype,
+  )

@@ -31,7 +31,7 @@ from maxtext.inference.scheduler import ScheduledRequest, Scheduler, SchedulerOu
 from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
-from maxtext.kernels import cpu_gemm
+from maxtext.kernels import cpu_gemm, huge_pages
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
 from maxtext.models import sharding
 
@@ -280,6 +280,34 @@ class LLMEngine:
         raise RuntimeError("loading the weights changed the model's structure; the step programs were built for it")
     else:
       self.state = state
+    # The weights move onto 2 MiB pages in a thread (a decode step reads them all; see `huge_pages`): steps run
+    # meanwhile, a little slower until it is done. `huge_page_bytes` is None until then.
+    self.huge_page_bytes: int | None = None
+    self._huge_pages: threading.Thread | None = None
+    if cfg.huge_page_weights and jax.default_backend() == "cpu":
+      self._huge_pages = threading.Thread(
+          target=self._collapse_weights,
+          args=(huge_pages.buffer_ranges(self._state_leaves),),
+          name="maxtext-huge-pages",
+          daemon=True,  # only system calls: a process may exit while it runs
+      )
+      self._huge_pages.start()
+
+  def _collapse_weights(self, ranges: Sequence[tuple[int, int]]) -> None:
+    """Backs the weights' buffers (`ranges`) with huge pages; sets `huge_page_bytes`. Failures only log."""
+    start = time.perf_counter()
+    try:
+      self.huge_page_bytes = huge_pages.collapse(ranges)
+    except Exception as e:  # pylint: disable=broad-exception-caught  # an optimisation must not break the engine
+      logger.warning("moving the weights onto huge pages failed (they stay where they are): %s", e)
+      self.huge_page_bytes = 0
+      return
+    logger.info(
+        "%.1f of %.1f MB of weights on 2 MiB pages (%.2f s)",
+        self.huge_page_bytes / 1e6,
+        sum(size for _, size in ranges) / 1e6,
+        time.perf_counter() - start,
+    )
 
   def _compile_smallest_greedy_step(self, leaves: Sequence[Any], kv_caches: Sequence[Any]) -> None:
     """Traces and compiles the greedy step of one request and the smallest token bucket (a one-token decode).

@@ -17,7 +17,7 @@ from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.inference import engine as engine_module
 from maxtext.inference.engine import LLMEngine, check_finite_rows, greedy_token_ids, sampling_logits_indices
-from maxtext.kernels import cpu_attention, cpu_gemm
+from maxtext.kernels import cpu_attention, cpu_gemm, huge_pages
 from maxtext.models import Transformer
 
 # Tiny shapes: one token bucket (16) and one request bucket (8), so each engine compiles its step once (and a
@@ -316,3 +316,33 @@ def test_a_failed_background_compile_only_logs(tmp_path, monkeypatch, caplog):
 
 def test_dummy_weights_start_no_background_compile():
   assert _engine("llama-tiny")._background_compile is None  # pylint: disable=protected-access
+
+
+def test_huge_page_weights_moves_the_weights_in_a_thread_and_keeps_the_tokens():
+  prompt, params = _prompts(2, [6])[0], SamplingParams(max_tokens=4, temperature=0.0)
+  tokens = {}
+  for on in (True, False):
+    engine = _engine("qwen3-next-tiny", huge_page_weights=on)
+    if on:
+      engine._huge_pages.join()  # pylint: disable=protected-access
+      weight_bytes = sum(size for _, size in huge_pages.buffer_ranges(engine._state_leaves))  # pylint: disable=protected-access
+      if huge_pages.unsupported_reason() is None:
+        assert 0 < engine.huge_page_bytes <= weight_bytes
+      else:
+        assert engine.huge_page_bytes == 0
+    else:
+      assert engine._huge_pages is None and engine.huge_page_bytes is None  # pylint: disable=protected-access
+    tokens[on] = _alone(engine, prompt, params)
+  assert tokens[True] == tokens[False] and len(tokens[True]) == 4
+
+
+def test_huge_page_weights_failure_only_logs(monkeypatch, caplog):
+  def broken(ranges):
+    raise OSError(f"no madvise for {len(ranges)} ranges")
+
+  monkeypatch.setattr(huge_pages, "collapse", broken)
+  with caplog.at_level(logging.WARNING, logger="maxtext.inference.engine"):
+    engine = _engine("qwen3-next-tiny", huge_page_weights=True)
+    engine._huge_pages.join()  # pylint: disable=protected-access
+  assert engine.huge_page_bytes == 0
+  assert "moving the weights onto huge pages failed (they stay where they are): no madvise for" in caplog.text

@@ -51,6 +51,9 @@ class MLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
     """`[..., D] -> [..., D]`."""
-    act = get_activation(self.activation)
-    gate, up = project(x, (self.gate, self.up))
-    return self.down(act(gate) * up)
+    return self.finish(*project(x, (self.gate, self.up)))
+
+  def finish(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The MLP from its gate and up projections (`gate(x)`, `up(x)`, which a caller may project together with
+    other layers of the same input): `down(act(gate) * up)`."""
+    return self.down(get_activation(self.activation)(gate) * up)

@@ -13,7 +13,7 @@ from flax import nnx
 
 from maxtext.kernels.backend import EXPERT_METHODS, KernelBackend, default_backend
 from maxtext.layers.initializers import draw_key, fan_in_uniform, uniform
-from maxtext.layers.linears import DenseGeneral
+from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mlp import MLP, clamped_swiglu, get_activation
 
 
@@ -114,7 +114,12 @@ class MoE(nnx.Module):
     backend = default_backend() if backend is None else backend
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-    weights, indices = route(self.router(flat), top_k=self.top_k, normalize=self.normalize_top_k)
+    # The router and the shared expert's gate and projections all read `flat`: one `project` call.
+    layers = [self.router]
+    if self.shared is not None:
+      layers += [self.shared.gate, self.shared.up] + ([self.shared_gate] if self.shared_gate is not None else [])
+    router_logits, *shared_inputs = project(flat, layers)
+    weights, indices = route(router_logits, top_k=self.top_k, normalize=self.normalize_top_k)
     y = backend.moe_experts(
         flat,
         weights,
@@ -127,10 +132,9 @@ class MoE(nnx.Module):
         method=self.method,
         **self._bias_kwargs(),
     )
-    if self.shared is not None and self.shared_gate is not None:
-      y = y + jax.nn.sigmoid(self.shared_gate(flat)) * self.shared(flat)
-    elif self.shared is not None:
-      y = y + self.shared(flat)
+    if self.shared is not None:
+      shared = self.shared.finish(*shared_inputs[:2])
+      y = y + (shared if self.shared_gate is None else jax.nn.sigmoid(shared_inputs[2]) * shared)
     return y.reshape(*lead, y.shape[-1])
 
   def _bias_kwargs(self) -> dict:

@@ -1,5 +1,9 @@
 """MoE routing (softmax in fp32, top-k, renormalisation), every experts method, shared expert gate."""
 
+import collections
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -7,6 +11,8 @@ from flax import nnx
 
 from maxtext.layers.mlp import get_activation
 from maxtext.kernels.experts import experts_dense, experts_gather
+from maxtext.kernels import cpu_gemm
+from maxtext.layers import moe
 from maxtext.layers.moe import MoE, route
 from maxtext.testing.reference import module_params
 
@@ -89,6 +95,24 @@ def test_shared_expert_output_is_scaled_by_sigmoid_gate_per_token():
   layer.shared_gate.kernel[...] = jnp.asarray(kernel, jnp.float32)
   gate = 1 / (1 + np.exp(-(np.asarray(x, np.float64) @ kernel)))
   np.testing.assert_allclose(np.asarray(layer(x)), routed + gate * shared, atol=1e-5)
+
+
+@pytest.mark.skipif(cpu_gemm.unsupported_reason() is not None, reason="the kernel needs x86-64 with AVX2 and FMA")
+@pytest.mark.parametrize("gate_shared", [True, False])
+def test_router_and_shared_expert_projections_take_one_kernel_call(monkeypatch, gate_shared):
+  """At decode sizes the router, the shared expert's gate and up and its sigmoid gate are one kernel call; the
+  output equals, bit for bit, the one computed with each of them called alone."""
+  assert cpu_gemm.load()
+  layer = MoE(16, 6, 2, 12, shared_mlp_dim=10, gate_shared=gate_shared, rngs=nnx.Rngs(4))
+  x = jnp.asarray(np.random.default_rng(6).normal(size=(3, 16)), jnp.float32)
+  with cpu_gemm.enabled():
+    calls = collections.Counter(re.findall(r"custom_call @(\w+)", str(jax.jit(layer).lower(x).as_text())))
+    together = np.asarray(layer(x))
+    monkeypatch.setattr(moe, "project", lambda x, layers: tuple(layer(x) for layer in layers))
+    alone = np.asarray(layer(x))
+  # One projection call; the shared expert's down; the routed experts' gate, up and down.
+  assert calls == {"maxtext_small_gemm_nn_many": 1, "maxtext_small_gemm_nn": 1, "maxtext_expert_gemm": 3}
+  np.testing.assert_array_equal(together, alone)
 
 
 def test_dense_and_gather_agree_in_bfloat16():

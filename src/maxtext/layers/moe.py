@@ -114,12 +114,10 @@ class MoE(nnx.Module):
     backend = default_backend() if backend is None else backend
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-    # The router and the shared expert's gate and projections all read `flat`: one `project` call.
-    layers = [self.router]
-    if self.shared is not None:
-      layers += [self.shared.gate, self.shared.up] + ([self.shared_gate] if self.shared_gate is not None else [])
-    router_logits, *shared_inputs = project(flat, layers)
-    weights, indices = route(router_logits, top_k=self.top_k, normalize=self.normalize_top_k)
+    weights, indices = route(self.router(flat), top_k=self.top_k, normalize=self.normalize_top_k)
+    if self.shared is not None:  # its gate, up and sigmoid gate read `flat` too: one `project` call
+      layers = [self.shared.gate, self.shared.up] + ([self.shared_gate] if self.shared_gate is not None else [])
+      shared_inputs = project(flat, layers)
     y = backend.moe_experts(
         flat,
         weights,

@@ -20,8 +20,11 @@ step is one token per request (the prompt's prefill is part of the timed call) a
 weight read in a decode step (the untied embedding table is not read; an MoE layer reads the experts its batch
 selects, estimated for uniform routing). For this package it also times the decode steps themselves (the median
 wall time of an engine step that only decodes: scheduling, the model, the greedy pick and the bookkeeping) and
-reports their roofline share, the one a decode step reaches without the prefill. Whether each peer's greedy tokens
-equal transformers' is reported too.
+reports their roofline share, the one a decode step reaches without the prefill. The machine's read bandwidth moves
+a lot from minute to minute on a shared host, so this package's worker also pairs its steps with their own moment:
+after each batch's timed calls it runs `--paired-rounds` rounds of a probe reading, one more call and another
+reading, and reports the median over the rounds of each round's decode-step share against the better of its two
+readings (`pair_rf`). Whether each peer's greedy tokens equal transformers' is reported too.
 
 This package's load + first call is measured twice: a cold start, whose compilation cache folder is empty, and a
 warm start (`wload_s`, `wfirst_s`), a second process over the folder the first one filled, as a second run of the
@@ -31,12 +34,13 @@ Timings are measurements only; on a shared machine compare ratios from one run, 
 
 Usage: python scripts/benchmark_decode.py [--models llama gemma3 qwen3_next] [--peers maxtext transformers vllm]
                                           [--batches 1 8] [--prompt-len 64] [--new-tokens 64] [--repeats 2]
-                                          [--vllm-python PATH] [--quick] [--json]
+                                          [--paired-rounds 5] [--vllm-python PATH] [--quick] [--json]
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -196,26 +200,39 @@ def build_checkpoint(folder: str, model: str, quick: bool, seed: int) -> dict[st
   return {"params": sum(tensor_bytes.values()) // 4, "tensor_bytes": tensor_bytes}
 
 
+class BandwidthProbe:
+  """JAX read bandwidth: bytes over the best time of a few jitted sums of a large fp32 array, on huge pages where
+  the engine would put its weights on them (`huge_page_weights`), so the roofline is read on the same footing."""
+
+  def __init__(self, quick: bool):
+    import jax
+    import jax.numpy as jnp
+
+    from maxtext.kernels import huge_pages
+
+    self.size = (4 if quick else 64) * 2**20  # 16 MiB or 256 MiB of fp32
+    self.reads = 3 if quick else 10
+    self._array = jax.block_until_ready(jnp.ones((self.size,), jnp.float32))
+    self.huge_page_bytes = huge_pages.collapse(huge_pages.buffer_ranges([self._array]))
+    self._sum = jax.jit(jnp.sum)
+    jax.block_until_ready(self._sum(self._array))
+
+  def read(self) -> dict[str, Any]:
+    """The best of `reads` sums: {"bytes", "huge_page_bytes", "best_s", "gb_per_s"}."""
+    import jax
+
+    best = float("inf")
+    for _ in range(self.reads):
+      start = time.perf_counter()
+      jax.block_until_ready(self._sum(self._array))
+      best = min(best, time.perf_counter() - start)
+    nbytes = 4 * self.size
+    return {"bytes": nbytes, "huge_page_bytes": self.huge_page_bytes, "best_s": best, "gb_per_s": nbytes / best / 1e9}
+
+
 def measure_bandwidth(quick: bool) -> dict[str, Any]:
-  """JAX read bandwidth: bytes over the best time of a jitted sum of a large fp32 array (on huge pages where the
-  engine would put its weights on them)."""
-  import jax
-  import jax.numpy as jnp
-
-  from maxtext.kernels import huge_pages
-
-  n = (4 if quick else 64) * 2**20  # 16 MiB or 256 MiB of fp32
-  x = jax.block_until_ready(jnp.ones((n,), jnp.float32))
-  # On the pages the engine moves its weights to (huge_page_weights), so the roofline is read on the same footing.
-  on_huge_pages = huge_pages.collapse(huge_pages.buffer_ranges([x]))
-  total = jax.jit(jnp.sum)
-  jax.block_until_ready(total(x))
-  best = float("inf")
-  for _ in range(3 if quick else 10):
-    start = time.perf_counter()
-    jax.block_until_ready(total(x))
-    best = min(best, time.perf_counter() - start)
-  return {"bytes": 4 * n, "huge_page_bytes": on_huge_pages, "best_s": best, "gb_per_s": 4 * n / best / 1e9}
+  """One reading of a fresh `BandwidthProbe` (the bandwidth worker)."""
+  return BandwidthProbe(quick).read()
 
 
 def _prompts(vocab_size: int, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -254,6 +271,8 @@ def run_maxtext(
     repeats: int,
     cache_dir: str = "",
     first_call_only: bool = False,
+    paired_rounds: int = 0,
+    quick: bool = False,
 ) -> dict[str, Any]:
   """This package's LLM over the Hugging Face folder; also the median wall time of its decode steps.
 
@@ -262,9 +281,11 @@ def run_maxtext(
     cache_dir: the compilation cache folder (`compilation_cache_dir`; "" = none): empty for a cold start, the
       folder of an earlier run for a warm one.
     first_call_only: load and make each batch's first call only, returning its tokens (the warm-start run).
+    paired_rounds: after each batch's timed calls, this many rounds of a bandwidth reading, one more call and
+      another reading, in this process: each round's decode-step median with the better of the two readings
+      around it (`paired` in the result), so a step is set against the bandwidth of its own moment.
+    quick: the bandwidth probe's test size.
   """
-  import statistics
-
   from maxtext.inference import LLM, SamplingParams
 
   start = time.perf_counter()
@@ -279,6 +300,7 @@ def run_maxtext(
   params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
   decode_times = _time_decode_steps(llm.engine)
   out: dict[str, Any] = {"load_s": load_s, "batches": {}}
+  probe: BandwidthProbe | None = None  # made after the first calls, which it would otherwise slow
   for batch in batches:
     prompts = _prompts(llm.tokenizer.vocab_size, batch, prompt_len, seed=batch)
     start = time.perf_counter()
@@ -304,6 +326,17 @@ def run_maxtext(
         "decode_step_s": statistics.median(decode_times) if decode_times else None,
         "tokens": tokens,
     }
+    if paired_rounds and new_tokens > 1:
+      probe = probe or BandwidthProbe(quick)
+      rounds = []
+      for _ in range(paired_rounds):
+        before = probe.read()["gb_per_s"]
+        decode_times.clear()
+        llm.generate(prompts, params)
+        rounds.append(
+            {"gb_per_s": max(before, probe.read()["gb_per_s"]), "decode_step_s": statistics.median(decode_times)}
+        )
+      out["batches"][str(batch)]["paired"] = rounds
   return out
 
 
@@ -395,6 +428,7 @@ def _worker_main(argv: Sequence[str]) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--cache-dir", default="")
+  parser.add_argument("--paired-rounds", type=int, default=0)
   args = parser.parse_args(argv)
   if args.role == "build":
     result = build_checkpoint(args.folder, args.model, args.quick, args.seed)
@@ -402,7 +436,13 @@ def _worker_main(argv: Sequence[str]) -> int:
     result = measure_bandwidth(args.quick)
   elif args.role in ("maxtext", WARM):
     sizes = (args.folder, args.batches, args.prompt_len, args.new_tokens, args.repeats)
-    result = run_maxtext(*sizes, cache_dir=args.cache_dir, first_call_only=args.role == WARM)
+    result = run_maxtext(
+        *sizes,
+        cache_dir=args.cache_dir,
+        first_call_only=args.role == WARM,
+        paired_rounds=args.paired_rounds,
+        quick=args.quick,
+    )
   else:
     result = _WORKERS[args.role](args.folder, args.batches, args.prompt_len, args.new_tokens, args.repeats)
   print(RESULT_MARK + json.dumps(result), flush=True)
@@ -477,7 +517,9 @@ def summarize(
     warm = result.get("warm", {})
     for batch, stats in result["batches"].items():
       step_s = stats["generate_s"] / stats.get("steps", len(stats["tokens"][0]))
-      ideal_s = active_weight_bytes(checkpoint["tensor_bytes"], hf_config, int(batch)) / (gb_per_s * 1e9)
+      active_bytes = active_weight_bytes(checkpoint["tensor_bytes"], hf_config, int(batch))
+      ideal_s = active_bytes / (gb_per_s * 1e9)
+      paired = stats.get("paired") or []
       rows.append(
           {
               "model": model,
@@ -490,6 +532,13 @@ def summarize(
               "roofline_share": ideal_s / step_s,
               "decode_step_s": stats.get("decode_step_s"),
               "decode_step_roofline_share": ideal_s / stats["decode_step_s"] if stats.get("decode_step_s") else None,
+              # Each paired round's decode steps against the bandwidth read around them, the median of the rounds.
+              "paired_step_roofline_share": (
+                  statistics.median(active_bytes / (r["gb_per_s"] * 1e9) / r["decode_step_s"] for r in paired)
+                  if paired
+                  else None
+              ),
+              "paired_gb_per_s": [r["gb_per_s"] for r in paired] if paired else None,
               "same_tokens_as_transformers": _matches(stats["tokens"], reference.get(batch, {}).get("tokens")),
           }
       )
@@ -520,7 +569,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
   """Human-readable table of `summarize` rows."""
   header = (
       f"{'model':<11} {'peer':<12} {'batch':>5} {'tok/s':>8} {'vs best':>7} {'load_s':>7} {'first_s':>7} "
-      f"{'wload_s':>7} {'wfirst_s':>8} {'recomp':>6} {'roofline':>8} {'step_ms':>7} {'step_rf':>7} {'same':>5}"
+      f"{'wload_s':>7} {'wfirst_s':>8} {'recomp':>6} {'roofline':>8} {'step_ms':>7} {'step_rf':>7} {'pair_rf':>7} "
+      f"{'same':>5}"
   )
   lines = [header, "-" * len(header)]
   for row in rows:
@@ -532,11 +582,12 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     same = _cell(row["same_tokens_as_transformers"])
     step_ms = _cell(row.get("decode_step_s"), scale=1e3)
     step_rf = _cell(row.get("decode_step_roofline_share"))
+    pair_rf = _cell(row.get("paired_step_roofline_share"))
     warm_load, warm_first = _cell(row.get("warm_load_s")), _cell(row.get("warm_first_call_s"))
     lines.append(
         f"{row['model']:<11} {row['peer']:<12} {row['batch']:>5} {row['tokens_per_s']:>8.1f} {ratio:>7} "
         f"{row['load_s']:>7.2f} {row['first_call_s']:>7.2f} {warm_load:>7} {warm_first:>8} {recomp:>6} "
-        f"{row['roofline_share']:>8.2f} {step_ms:>7} {step_rf:>7} {same:>5}"
+        f"{row['roofline_share']:>8.2f} {step_ms:>7} {step_rf:>7} {pair_rf:>7} {same:>5}"
     )
     if row.get("warm_error"):
       lines.append(f"{row['model']:<11} {'maxtext':<12} warm start not run: {row['warm_error']}")
@@ -569,6 +620,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--prompt-len", type=_positive_int, default=None, help="prompt tokens per request (64)")
   parser.add_argument("--new-tokens", type=_positive_int, default=None, help="generated tokens per request (64)")
   parser.add_argument("--repeats", type=_positive_int, default=None, help="timed calls per batch, best kept (2)")
+  parser.add_argument(
+      "--paired-rounds", type=_positive_int, default=None, help="this package: bandwidth read beside its calls (5)"
+  )
   parser.add_argument("--seed", type=int, default=0, help="seed of the random checkpoints")
   parser.add_argument("--vllm-python", default=sys.executable, help="interpreter that has vllm (its own venv)")
   parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker process")
@@ -579,6 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   prompt_len = args.prompt_len or (8 if args.quick else 64)
   new_tokens = args.new_tokens or (4 if args.quick else 64)
   repeats = args.repeats or (1 if args.quick else 2)
+  paired_rounds = args.paired_rounds or (2 if args.quick else 5)
   quick = ["--quick"] if args.quick else []
   notes = {}
   peers = list(args.peers)
@@ -601,11 +656,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       run_args = ["--folder", folder, "--batches", *map(str, batches), "--prompt-len", str(prompt_len)]
       run_args += ["--new-tokens", str(new_tokens), "--repeats", str(repeats)]
       cache_args = ["--cache-dir", os.path.join(tmp, f"{model}-compilation-cache")]  # empty: a cold start
+      paired_args = ["--paired-rounds", str(paired_rounds)] + quick
       results = {
           peer: run_worker(
               args.vllm_python if peer == "vllm" else sys.executable,
               peer,
-              run_args + (cache_args if peer == "maxtext" else []),
+              run_args + (cache_args + paired_args if peer == "maxtext" else []),
               args.timeout,
           )
           for peer in peers
@@ -621,7 +677,13 @@ def main(argv: Sequence[str] | None = None) -> int:
       for model, checkpoint, hf_config, results in runs
       for row in summarize(model, checkpoint, hf_config, results, bandwidth["gb_per_s"])
   ]
-  settings = {"batches": batches, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats}
+  settings = {
+      "batches": batches,
+      "prompt_len": prompt_len,
+      "new_tokens": new_tokens,
+      "repeats": repeats,
+      "paired_rounds": paired_rounds,
+  }
   if args.json:
     print(json.dumps({"settings": settings, "bandwidth": bandwidth, "notes": notes, "results": rows}))
   else:

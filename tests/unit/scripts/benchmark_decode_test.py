@@ -24,7 +24,7 @@ def test_quick_run_reports_every_model_peer_and_batch_with_transformers_tokens(c
   benchmark = _load_benchmark()
   assert benchmark.main(["--quick", "--json", "--peers", "maxtext", "transformers"]) == 0
   report = json.loads(capsys.readouterr().out)
-  assert report["settings"] == {"batches": [1, 2], "prompt_len": 8, "new_tokens": 4, "repeats": 1}
+  assert report["settings"] == {"batches": [1, 2], "prompt_len": 8, "new_tokens": 4, "repeats": 1, "paired_rounds": 2}
   probes = report["bandwidth"]["probes_gb_per_s"]
   assert len(probes) == 4 and min(probes) > 0  # before the first checkpoint and after each of the three
   assert report["bandwidth"]["gb_per_s"] == max(probes)
@@ -46,9 +46,13 @@ def test_quick_run_reports_every_model_peer_and_batch_with_transformers_tokens(c
       assert row["warm_same_tokens"] == 1.0
       # 4 new tokens: 3 pure-decode steps per call; a decode step is faster than a whole call per token.
       assert 0 < row["decode_step_s"] and row["decode_step_roofline_share"] > row["roofline_share"] * 0.5
+      # Two paired rounds, each with its own reading of the bandwidth in this process.
+      assert len(row["paired_gb_per_s"]) == 2 and min(row["paired_gb_per_s"]) > 0
+      assert row["paired_step_roofline_share"] > 0
     else:
       assert row["recompilations"] is None and "ratio_to_best_peer" not in row
       assert row["decode_step_s"] is None and row["decode_step_roofline_share"] is None
+      assert row["paired_step_roofline_share"] is None and row["paired_gb_per_s"] is None
 
 
 def test_active_experts_and_weight_bytes():
@@ -82,6 +86,7 @@ def test_table_marks_peers_that_did_not_run():
           "roofline_share": 0.25,
           "decode_step_s": 0.0125,
           "decode_step_roofline_share": 0.5,
+          "paired_step_roofline_share": 0.75,
           "same_tokens_as_transformers": 1.0,
           "ratio_to_best_peer": 0.5,
           "warm_load_s": 0.5,
@@ -119,12 +124,14 @@ def test_table_marks_peers_that_did_not_run():
       "roofline",
       "step_ms",
       "step_rf",
+      "pair_rf",
       "same",
   ]
   assert lines[2].split() == ["llama", "maxtext", "1", "50.0", "0.50", "1.00", "2.00", "0.50", "0.75", "0"] + [
       "0.25",
       "12.50",
       "0.50",
+      "0.75",
       "1.00",
   ]
   assert lines[3].split()[:9] == ["llama", "maxtext", "8", "50.0", "-", "1.00", "2.00", "-", "-"]
@@ -167,3 +174,27 @@ def test_benchmark_rejects_bad_arguments(argv):
   with pytest.raises(SystemExit) as exit_info:
     _load_benchmark().main(argv)
   assert exit_info.value.code == 2
+
+
+def test_paired_share_is_the_median_of_the_rounds_against_their_own_bandwidth():
+  """Each round's step against the bandwidth read around it: 1 MB at 1 GB/s is 1 ms of reading."""
+  benchmark = _load_benchmark()
+  checkpoint = {"tensor_bytes": {"model.layers.0.self_attn.q_proj.weight": 1_000_000}}
+  stats = {
+      "generate_s": 0.04,
+      "tokens": [[5] * 4],
+      "tokens_per_s": 100.0,
+      "first_call_s": 1.0,
+      "decode_step_s": 0.004,
+      # shares 1 ms / 4 ms, (0.5 ms) / 2 ms, (0.25 ms) / 0.5 ms: 0.25, 0.25, 0.5 -> median 0.25
+      "paired": [
+          {"gb_per_s": 1.0, "decode_step_s": 0.004},
+          {"gb_per_s": 2.0, "decode_step_s": 0.002},
+          {"gb_per_s": 4.0, "decode_step_s": 0.0005},
+      ],
+  }
+  peers = {"maxtext": {"load_s": 1.0, "batches": {"1": stats}}}
+  (row,) = benchmark.summarize("llama", checkpoint, {"tie_word_embeddings": True}, peers, 2.0)
+  assert row["paired_step_roofline_share"] == pytest.approx(0.25)
+  assert row["paired_gb_per_s"] == [1.0, 2.0, 4.0]
+  assert row["decode_step_roofline_share"] == pytest.approx(0.5e-3 / 0.004)  # against the run's 2 GB/s

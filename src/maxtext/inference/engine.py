@@ -33,6 +33,7 @@ from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
 from maxtext.kernels import cpu_gemm, huge_pages
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
+from maxtext.layers import linears
 from maxtext.models import sharding
 
 logger = logging.getLogger(__name__)
@@ -187,19 +188,28 @@ class LLMEngine:
     # request id -> token sampled for it by the last `step` (read by streaming callers).
     self.last_sampled: dict[str, int] = {}
     self._next_id = 0
+    # The small-batch matmul kernel on a single CPU device (it does not partition across devices).
+    self.use_cpu_gemm = (
+        bool(cfg.cpu_small_matmul) and self.mesh.size == 1 and jax.default_backend() == "cpu" and cpu_gemm.load()
+    )
+    # Its dense weights in column panels (`linears.use_panels`): converted once loaded, or now if they already are.
+    self.weight_panels = self.use_cpu_gemm and bool(cfg.cpu_weight_panels)
+    self.panel_bytes = 0
+    if self.weight_panels and self.model.is_dummy:
+      self.panel_bytes = linears.use_panels(self.model)
     # The model's structure, from the model before its weights are loaded (they fill it in place; checked below).
     graphdef, state = nnx.split(self.model)
+    if self.weight_panels and not self.model.is_dummy:
+      # The structure it will have in panels, from a copy (the loader fills the model in its own layout).
+      structure = nnx.merge(graphdef, state, copy=True)
+      linears.use_panels(structure)
+      graphdef, state = nnx.split(structure)
     # The jitted calls take the parameters as a flat list: flattening the nnx State (its Variables) in Python on
     # every call costs milliseconds per step, a list of arrays goes through the C++ dispatch path.
     self._state_leaves, state_def = jax.tree_util.tree_flatten(state)
 
     def merged(leaves):
       return nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, leaves))
-
-    # The small-batch matmul kernel on a single CPU device (it does not partition across devices).
-    self.use_cpu_gemm = (
-        bool(cfg.cpu_small_matmul) and self.mesh.size == 1 and jax.default_backend() == "cpu" and cpu_gemm.load()
-    )
 
     def step(leaves, kv_caches, input_ids, attention_metadata, input_positions, layer_map):
       self.stats.step_traces += 1  # Python side effect: runs once per trace, i.e. per compilation.
@@ -274,6 +284,8 @@ class LLMEngine:
       self._background_compile.start()
     if not self.model.is_dummy:
       self.model.load_weights(rng_key)
+      if self.weight_panels:
+        self.panel_bytes = linears.use_panels(self.model)
       loaded_graphdef, self.state = nnx.split(self.model)
       self._state_leaves, loaded_def = jax.tree_util.tree_flatten(self.state)
       if (loaded_graphdef, loaded_def) != (graphdef, state_def):

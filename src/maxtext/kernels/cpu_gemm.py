@@ -7,7 +7,9 @@ of a vector register, one row as one front-to-back stream per slice of the matri
 between the calling thread and the library's helper threads (`cpu/parallel.h`). Routed experts
 have a third product, `expert_matmul`: each (token, choice) row times its expert's matrix, read where it lies in
 the stacked `[E, K, N]` weights (XLA copies a matrix it slices out of them before multiplying). `matmuls` runs
-several products of one input (a block's projections, through `linears.project`) in one call.
+several products of one input (a block's projections, through `linears.project`) in one call. The NN products also
+take a weight in column panels (`to_panels`, `[N / PANEL, K, PANEL]`, how the engine stores its dense kernels:
+`linears.use_panels`), read a panel at a time at any number of rows, a prefill's included.
 
 The same library holds the paged attention handler (`cpu/paged_attention.cc`), which `cpu_attention.py` serves.
 
@@ -50,11 +52,16 @@ MAX_ROWS = 8  # rows of x the small-batch products take (one row is a matrix-vec
 # Steps of this many tokens compile without YNNPACK's fusions (`small_batch_compiler_options`).
 MIN_ROWS = 2
 MAX_EXPERT_ROWS = 1024  # (token, choice) rows up to which the routed experts run on the kernel
+PANEL = 32  # columns per panel of a weight in column panels (`to_panels`; cpu/small_gemm.cc's kPanel)
+# Weights up to this many columns go into panels (`linears.use_panels`). A wider one (an untied output head, 32000
+# columns) reads as fast row-major at one row and faster at 8 rows, where the kernel cuts it into column chunks.
+MAX_PANEL_COLUMNS = 8192
 TARGETS = {
     "nn": ("maxtext_small_gemm_nn", "MaxtextSmallGemmNN"),
     "nt": ("maxtext_small_gemm_nt", "MaxtextSmallGemmNT"),
     "nn_many": ("maxtext_small_gemm_nn_many", "MaxtextSmallGemmNNMany"),
     "experts": ("maxtext_expert_gemm", "MaxtextExpertGemm"),
+    "from_panels": ("maxtext_from_panels", "MaxtextFromPanels"),
     "attention": ("maxtext_paged_attention", "MaxtextPagedAttention"),  # served by cpu_attention.py
 }
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -208,6 +215,15 @@ def applies(rows: int, *dtypes: jnp.dtype) -> bool:
   return _serves(rows, 1, MAX_ROWS, dtypes)
 
 
+def applies_panels(rows: int, *dtypes: jnp.dtype) -> bool:
+  """Whether a product of `rows` rows with a weight in column panels should use the kernel at this trace point.
+
+  True only inside `enabled()`, for float32 operands and any number of rows (the kernel reads each panel from memory
+  once, 8 rows at a time), once `load()` has succeeded.
+  """
+  return _serves(rows, 1, rows, dtypes)
+
+
 def applies_experts(rows: int, *dtypes: jnp.dtype) -> bool:
   """Whether routed experts over `rows` (token, choice) rows should use `expert_matmul` at this trace point.
 
@@ -220,19 +236,70 @@ def _serves(rows: int, low: int, high: int, dtypes: tuple[jnp.dtype, ...]) -> bo
   return active() and low <= rows <= high and all(jnp.dtype(d) == jnp.float32 for d in dtypes) and load()
 
 
+def to_panels(w: jax.Array) -> jax.Array:
+  """`w [K, N]` in column panels `[N / PANEL, K, PANEL]`: panel t holds columns `[t * PANEL, (t + 1) * PANEL)`, row by
+  row, one contiguous stretch of memory.
+
+  `matmul` and `matmuls` take a weight in either layout. In panels a task reads whole panels front to back, one row
+  of x summing a panel's columns in registers: faster at 1 to 8 rows than row-major `[K, N]` (docs/architecture.md,
+  "Weights in column panels"). Works on a `jax.ShapeDtypeStruct` too (the shape only).
+
+  Raises:
+    ValueError: `w` is not 2-D, or N is not a multiple of `PANEL`.
+  """
+  if len(w.shape) != 2 or w.shape[1] % PANEL:
+    raise ValueError(f"column panels take a 2-D [K, N] weight with N a multiple of {PANEL}, got shape {w.shape}")
+  k, n = w.shape
+  if isinstance(w, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((n // PANEL, k, PANEL), w.dtype)
+  return jnp.transpose(w.reshape(k, n // PANEL, PANEL), (1, 0, 2))
+
+
+def from_panels(panels: jax.Array) -> jax.Array:
+  """The `[K, N]` weight of column panels `[N / PANEL, K, PANEL]` (`to_panels`'s inverse), a copy.
+
+  Inside `enabled()` a float32 copy is the library's (its threads, a panel row at a time): XLA's transpose copied
+  panels at about a third of the speed, on every prefill that reads them.
+
+  Raises:
+    ValueError: `panels` is not 3-D with a last axis of `PANEL`.
+  """
+  _check_panels(panels)
+  count, k, _ = panels.shape
+  if _serves(1, 1, 1, (panels.dtype,)):
+    return jax.ffi.ffi_call(TARGETS["from_panels"][0], jax.ShapeDtypeStruct((k, count * PANEL), jnp.float32))(panels)
+  return jnp.transpose(panels, (1, 0, 2)).reshape(k, count * PANEL)
+
+
+def _check_panels(panels: jax.Array) -> None:
+  if panels.ndim != 3 or panels.shape[2] != PANEL:
+    raise ValueError(f"column panels have shape [N / {PANEL}, K, {PANEL}], got {panels.shape}")
+
+
+def _columns(kind: str, w: jax.Array) -> int:
+  """N of a product's weight: `[K, N]` or panels (NN), `[N, K]` (NT)."""
+  if kind != "nn":
+    return w.shape[0]
+  return w.shape[0] * PANEL if w.ndim == 3 else w.shape[1]
+
+
 def _call(kind: str, x: jax.Array, w: jax.Array) -> jax.Array:
   _check(kind, x, w)
-  n_axis = 1 if kind == "nn" else 0
-  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[n_axis]), jnp.float32)
+  out = jax.ShapeDtypeStruct((x.shape[0], _columns(kind, w)), jnp.float32)
   return jax.ffi.ffi_call(TARGETS[kind][0], out)(x, w)
 
 
 def _check(kind: str, x: jax.Array, w: jax.Array) -> None:
-  if x.ndim != 2 or w.ndim != 2:
+  if kind == "nn" and w.ndim == 3:
+    _check_panels(w)
+  elif x.ndim != 2 or w.ndim != 2:
     raise ValueError(f"small-batch matmul takes 2-D operands, got x {x.shape} and w {w.shape}")
-  if not 1 <= x.shape[0] <= MAX_ROWS:
-    raise ValueError(f"small-batch matmul takes 1 to {MAX_ROWS} rows, got x {x.shape}")
-  k_axis = 0 if kind == "nn" else 1
+  if x.ndim != 2:
+    raise ValueError(f"small-batch matmul takes a 2-D x, got x {x.shape}")
+  panels = kind == "nn" and w.ndim == 3
+  if not 1 <= x.shape[0] <= (x.shape[0] if panels else MAX_ROWS):
+    raise ValueError(f"small-batch matmul takes 1 to {MAX_ROWS} rows (any number with panels), got x {x.shape}")
+  k_axis = {"nt": 1, "nn": 1 if w.ndim == 3 else 0}[kind]
   if x.shape[1] != w.shape[k_axis]:
     raise ValueError(f"small-batch matmul: x {x.shape} and w {w.shape} ({kind}) do not share their inner size")
   if x.dtype != jnp.float32 or w.dtype != jnp.float32:
@@ -243,14 +310,15 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   """`x @ w` by the kernel (call `load()` first).
 
   Args:
-    x: `[M, K]` float32, 1 <= M <= 8.
-    w: `[K, N]` float32.
+    x: `[M, K]` float32, 1 <= M <= 8 (any M >= 1 with panels).
+    w: `[K, N]` float32, or the same in column panels `[N / PANEL, K, PANEL]` (`to_panels`).
 
   Returns:
     `[M, N]` float32.
 
   Raises:
-    ValueError: the operands are not 2-D float32 with 1 to 8 rows in `x` and the same K.
+    ValueError: the operands are not float32 with a 2-D `x` of 1 to 8 rows (any with panels), a 2-D `w` or panels,
+      and the same K.
   """
   return _call("nn", x, w)
 
@@ -263,8 +331,8 @@ def matmuls(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
   result equals `matmul(x, w)` bit for bit.
 
   Args:
-    x: `[M, K]` float32, 1 <= M <= 8.
-    ws: one or more `[K, N_i]` float32.
+    x: `[M, K]` float32, 1 <= M <= 8 (any M >= 1 when every w is in panels).
+    ws: one or more `[K, N_i]` float32, each row-major or in column panels (`to_panels`).
 
   Returns:
     One `[M, N_i]` float32 per `w`.
@@ -279,7 +347,7 @@ def matmuls(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
       _check("nn", x, w)
     except ValueError as e:
       raise ValueError(f"ws[{i}]: {e}") from None
-  out = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in ws)
+  out = tuple(jax.ShapeDtypeStruct((x.shape[0], _columns("nn", w)), jnp.float32) for w in ws)
   return tuple(jax.ffi.ffi_call(TARGETS["nn_many"][0], out)(x, *ws))
 
 

@@ -18,6 +18,7 @@ from maxtext.inference import LLM, SamplingParams
 from maxtext.inference import engine as engine_module
 from maxtext.inference.engine import LLMEngine, check_finite_rows, greedy_token_ids, sampling_logits_indices
 from maxtext.kernels import cpu_attention, cpu_gemm, huge_pages
+from maxtext.layers import linears
 from maxtext.models import Transformer
 
 # Tiny shapes: one token bucket (16) and one request bucket (8), so each engine compiles its step once (and a
@@ -247,11 +248,11 @@ def _recorded(program, calls, *args):
 
 @pytest.mark.parametrize("mesh", [{}, {"ici_tensor_parallelism": 2}])
 def test_small_batch_matmul_kernel_serves_single_cpu_device_decodes_with_the_same_tokens(monkeypatch, mesh):
-  """Decode steps of 1-8 requests take the kernel on one CPU device (not across devices) and keep the tokens; the
-  attention of every step program takes the attention kernel there."""
+  """Decode steps of 1-8 requests take the kernel on one CPU device (not across devices) and keep the tokens; more
+  rows only for weights in column panels; the attention of every step program takes the attention kernel there."""
   traced, attended = [], []
   real = cpu_gemm.matmul
-  monkeypatch.setattr(cpu_gemm, "matmul", lambda x, w: traced.append(x.shape) or real(x, w))
+  monkeypatch.setattr(cpu_gemm, "matmul", lambda x, w: traced.append((x.shape, w.ndim)) or real(x, w))
   real_attend = cpu_attention.attend
   monkeypatch.setattr(cpu_attention, "attend", lambda q, *a, **k: attended.append(q.shape) or real_attend(q, *a, **k))
   prompts = _prompts(5, [5, 9, 3])
@@ -270,7 +271,9 @@ def test_small_batch_matmul_kernel_serves_single_cpu_device_decodes_with_the_sam
     ids = engine.add_requests([(p, params) for p in prompts])
     done = _run(engine)
     tokens[on] = [done[i].output_token_ids for i in ids]
-    assert bool(traced) is expected and all(1 <= rows <= 8 for rows, _ in traced)
+    assert bool(traced) is expected
+    assert all(1 <= rows <= 8 or w_ndim == 3 for (rows, _), w_ndim in traced)
+    assert not expected or max(rows for (rows, _), w_ndim in traced if w_ndim == 3) > 8  # a prefill on panels
     assert bool(attended) is expected
     assert not expected or max(num_tokens for num_tokens, _, _ in attended) > 8  # the prefill programs' too
     # Steps of 2-8 tokens ran as the program compiled with the kernel's options (and only with the kernel on).
@@ -346,3 +349,33 @@ def test_huge_page_weights_failure_only_logs(monkeypatch, caplog):
     engine._huge_pages.join()  # pylint: disable=protected-access
   assert engine.huge_page_bytes == 0
   assert "moving the weights onto huge pages failed (they stay where they are): no madvise for" in caplog.text
+
+
+def _dense_layers(engine):
+  return [layer for _, layer in nnx.iter_modules(engine.model) if isinstance(layer, linears.DenseGeneral)]
+
+
+def test_cpu_weight_panels_put_loaded_kernels_in_panels_and_keep_the_tokens(tmp_path):
+  """A loaded model (its structure in panels known before the weights load, for the background compile) and the
+  same model row-major: the same tokens, the one-token step compiled once."""
+  prompt, params = _prompts(3, [7])[0], SamplingParams(max_tokens=5, temperature=0.0)
+  tokens = {}
+  for on in (True, False):
+    engine = _checkpointed_engine(tmp_path / str(on), "qwen3-next-tiny", min_token_bucket=1, cpu_weight_panels=on)
+    expected = on and engine.use_cpu_gemm
+    in_panels = [layer for layer in _dense_layers(engine) if layer.panels]
+    assert bool(in_panels) is expected
+    assert engine.panel_bytes == sum(layer.kernel.get_value().nbytes for layer in in_panels)
+    engine._background_compile.join()  # pylint: disable=protected-access
+    tokens[on] = _alone(engine, prompt, params)
+    assert engine.stats.step_traces == 2  # the prompt's bucket, and the one-token step compiled in the thread
+  assert tokens[True] == tokens[False] and len(tokens[True]) == 5
+
+
+def test_cpu_weight_panels_with_dummy_weights_and_on_xla_only():
+  on = _engine("llama-tiny", cpu_weight_panels=True)
+  assert (on.panel_bytes > 0) is on.use_cpu_gemm
+  off = _engine("llama-tiny", cpu_weight_panels=True, cpu_small_matmul=False)
+  assert off.panel_bytes == 0 and not any(layer.panels for layer in _dense_layers(off))
+  prompt, params = _prompts(4, [5])[0], SamplingParams(max_tokens=4, temperature=0.0)
+  assert _alone(on, prompt, params) == _alone(off, prompt, params)

@@ -139,15 +139,36 @@ _SHAPES = [
 ]
 
 
+# (M, K, N): one row, 2-8 rows (lanes) and more (six at a time, with 1-5 left over); K with tails past 8 and 32; one
+# panel, two, many, and the widest in panels.
+_PANEL_SHAPES = [
+    (1, 512, 512),
+    (1, 45, 32),
+    (1, 7, 8192),
+    (2, 301, 64),
+    (3, 512, 1536),
+    (7, 1536, 512),
+    (8, 33, 96),
+    (9, 64, 96),
+    (12, 17, 32),
+    (70, 512, 1536),
+    (131, 45, 64),
+]
+
+
 @needs_kernel
-@pytest.mark.parametrize("m, k, n", _SHAPES)
+@pytest.mark.parametrize("m, k, n", _SHAPES + _PANEL_SHAPES)
 def test_matmul_matches_float64(m, k, n):
+  """Row-major and transposed at 1-8 rows; in column panels wherever N is a multiple of 32."""
   assert cpu_gemm.load()
   rng = np.random.default_rng(m * 1000 + k + n)
   x = rng.standard_normal((m, k)).astype(np.float32)
   w = rng.standard_normal((k, n)).astype(np.float32)
-  _close(jax.jit(cpu_gemm.matmul)(x, w), _reference(x, w))
-  _close(jax.jit(cpu_gemm.matmul_transposed)(x, np.ascontiguousarray(w.T)), _reference(x, w))
+  if m <= cpu_gemm.MAX_ROWS:
+    _close(jax.jit(cpu_gemm.matmul)(x, w), _reference(x, w))
+    _close(jax.jit(cpu_gemm.matmul_transposed)(x, np.ascontiguousarray(w.T)), _reference(x, w))
+  if n % cpu_gemm.PANEL == 0:
+    _close(jax.jit(cpu_gemm.matmul)(x, cpu_gemm.to_panels(jnp.asarray(w))), _reference(x, w))
 
 
 @needs_kernel
@@ -171,7 +192,7 @@ def test_matmul_leaves_no_stale_values_between_calls():
     "x, w, match",
     [
         (jnp.zeros((2, 3, 4)), jnp.zeros((4, 5)), r"2-D operands, got x \(2, 3, 4\) and w \(4, 5\)"),
-        (jnp.zeros((9, 4)), jnp.zeros((4, 5)), r"1 to 8 rows, got x \(9, 4\)"),
+        (jnp.zeros((9, 4)), jnp.zeros((4, 5)), r"1 to 8 rows \(any number with panels\), got x \(9, 4\)"),
         (jnp.zeros((2, 4)), jnp.zeros((3, 5)), r"x \(2, 4\) and w \(3, 5\) \(nn\) do not share their inner size"),
         (jnp.zeros((2, 4), jnp.bfloat16), jnp.zeros((4, 5)), r"float32 operands, got x bfloat16 and w float32"),
     ],
@@ -425,3 +446,97 @@ def test_expert_matmul_fails_the_program_on_an_expert_id_out_of_range():
 def test_expert_matmul_rejects_what_the_kernel_cannot_take(x, w, experts, match):
   with pytest.raises(ValueError, match=match):
     cpu_gemm.expert_matmul(x, w, experts)
+
+
+def test_to_panels_puts_columns_in_contiguous_panels():
+  """Panel t holds columns [32 t, 32 t + 32) row by row, built here by NumPy slicing."""
+  w = np.arange(5 * 96, dtype=np.float32).reshape(5, 96)
+  panels = np.asarray(cpu_gemm.to_panels(jnp.asarray(w)))
+  assert panels.shape == (3, 5, 32) and panels.flags.c_contiguous
+  for t in range(3):
+    np.testing.assert_array_equal(panels[t], w[:, 32 * t : 32 * t + 32])
+  np.testing.assert_array_equal(np.asarray(cpu_gemm.from_panels(jnp.asarray(panels))), w)
+  abstract = cpu_gemm.to_panels(jax.ShapeDtypeStruct((5, 96), jnp.float32))
+  assert abstract == jax.ShapeDtypeStruct((3, 5, 32), jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "fn, operand, match",
+    [
+        (cpu_gemm.to_panels, jnp.zeros((4, 48)), r"N a multiple of 32, got shape \(4, 48\)"),
+        (cpu_gemm.to_panels, jnp.zeros((4, 2, 32)), r"2-D \[K, N\] weight .* got shape \(4, 2, 32\)"),
+        (cpu_gemm.from_panels, jnp.zeros((2, 4, 16)), r"shape \[N / 32, K, 32\], got \(2, 4, 16\)"),
+        (cpu_gemm.from_panels, jnp.zeros((4, 32)), r"shape \[N / 32, K, 32\], got \(4, 32\)"),
+    ],
+)
+def test_panels_reject_other_shapes(fn, operand, match):
+  with pytest.raises(ValueError, match=match):
+    fn(operand)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 5])
+def test_matmuls_take_panels_and_row_major_side_by_side(m):
+  """Each result of one call with both layouts equals its product alone, bit for bit."""
+  assert cpu_gemm.load()
+  rng = np.random.default_rng(m)
+  x = rng.standard_normal((m, 130)).astype(np.float32)
+  ws = [rng.standard_normal((130, n)).astype(np.float32) for n in (256, 40, 64)]
+  operands = [cpu_gemm.to_panels(jnp.asarray(ws[0])), ws[1], cpu_gemm.to_panels(jnp.asarray(ws[2]))]
+  together = jax.jit(cpu_gemm.matmuls)(x, operands)
+  for operand, w, y in zip(operands, ws, together):
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(cpu_gemm.matmul)(x, operand)))
+    _close(y, _reference(x, w))
+
+
+@needs_kernel
+def test_applies_panels_takes_any_number_of_float32_rows_inside_enabled():
+  assert not cpu_gemm.applies_panels(64, jnp.float32)
+  with cpu_gemm.enabled():
+    assert [cpu_gemm.applies_panels(r, jnp.float32) for r in (0, 1, 9, 4096)] == [False, True, True, True]
+    assert not cpu_gemm.applies_panels(9, jnp.bfloat16)
+
+
+@needs_kernel
+def test_from_panels_inside_enabled_is_the_kernel_s_copy():
+  """The library's copy (in the program as a kernel call) equals XLA's transpose, and the weight, bit for bit."""
+  assert cpu_gemm.load()
+  w = np.random.default_rng(0).standard_normal((70, 96)).astype(np.float32)
+  panels = cpu_gemm.to_panels(jnp.asarray(w))
+  with cpu_gemm.enabled():
+    assert _uses_kernel(cpu_gemm.from_panels, panels)
+    copied = jax.jit(cpu_gemm.from_panels)(panels)
+  assert not _uses_kernel(cpu_gemm.from_panels, panels)
+  np.testing.assert_array_equal(np.asarray(copied), w)
+  np.testing.assert_array_equal(np.asarray(cpu_gemm.from_panels(panels)), w)
+
+
+@needs_kernel
+def test_from_panels_kernel_checks_its_shapes():
+  """The library's own check, reached by calling its target directly (`from_panels` checks first)."""
+  assert cpu_gemm.load()
+  call = jax.ffi.ffi_call(cpu_gemm.TARGETS["from_panels"][0], jax.ShapeDtypeStruct((4, 64), jnp.float32))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"panels must be \[N / 32, K, 32\] and w \[K, N\]"):
+    jax.block_until_ready(jax.jit(call)(np.ones((2, 5, 32), np.float32)))
+
+
+@pytest.mark.parametrize(
+    "x, w, match",
+    [
+        (jnp.zeros((2, 4)), jnp.zeros((2, 4, 16)), r"shape \[N / 32, K, 32\], got \(2, 4, 16\)"),
+        (jnp.zeros((2, 3, 4)), jnp.zeros((2, 4, 32)), r"takes a 2-D x, got x \(2, 3, 4\)"),
+        (jnp.zeros((2, 5)), jnp.zeros((2, 4, 32)), r"x \(2, 5\) and w \(2, 4, 32\) \(nn\) do not share their inner"),
+    ],
+)
+def test_matmul_rejects_bad_panels(x, w, match):
+  with pytest.raises(ValueError, match=match):
+    cpu_gemm.matmul(x, w)
+
+
+@needs_kernel
+def test_kernel_checks_the_panel_width():
+  """The library's own check, reached by calling its target directly (`matmul` checks first)."""
+  assert cpu_gemm.load()
+  call = jax.ffi.ffi_call(cpu_gemm.TARGETS["nn"][0], jax.ShapeDtypeStruct((2, 32), jnp.float32))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"column panels must be 32 columns wide"):
+    jax.block_until_ready(jax.jit(call)(np.ones((2, 4), np.float32), np.ones((2, 4, 16), np.float32)))

@@ -1,11 +1,13 @@
-"""DenseGeneral: multi-axis kernels [in..., out...], bias, dtypes, validation."""
+"""DenseGeneral: multi-axis kernels [in..., out...], bias, dtypes, validation, column panels."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext.layers.linears import DenseGeneral, dense_general
+from maxtext.kernels import cpu_gemm
+from maxtext.layers.linears import DenseGeneral, dense_general, project, use_panels
 
 
 @pytest.mark.parametrize("in_f,out_f", [(6, 5), (6, (2, 3)), ((2, 3), 4)])
@@ -49,3 +51,72 @@ def test_dense_general_rejects_wrong_input_shape():
 def test_dense_general_rejects_bad_features(bad):
   with pytest.raises(ValueError, match="in_features must be a positive int or a non-empty tuple"):
     DenseGeneral(bad, 4, rngs=nnx.Rngs(0))
+
+
+def _float64(layer, x):
+  """The layer's map in float64 NumPy from its kernel before `use_panels` (`kernel` [*in, *out])."""
+  kernel, bias = np.asarray(layer.kernel[...], np.float64), np.asarray(layer.bias[...], np.float64)
+  flat = x.reshape(x.shape[0], -1).astype(np.float64) @ kernel.reshape(int(np.prod(layer.in_shape)), -1)
+  return flat.reshape((x.shape[0],) + layer.out_shape) + bias
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 70])
+def test_use_panels_keeps_the_layer_s_map_on_the_kernel_and_off_it(rows):
+  """One row, 2-8 rows (the lanes), more (a prefill, six at a time), and XLA's dot outside `enabled()`."""
+  layer = DenseGeneral((2, 24), (4, 16), use_bias=True, rngs=nnx.Rngs(rows))
+  layer.bias[...] = jnp.asarray(np.random.default_rng(rows).standard_normal((4, 16)), jnp.float32)
+  x = np.random.default_rng(rows + 1).standard_normal((rows, 2, 24)).astype(np.float32)
+  want = _float64(layer, x)
+  assert layer.use_panels() and layer.panels and layer.kernel[...].shape == (2, 48, 32)
+  with cpu_gemm.enabled(cpu_gemm.unsupported_reason() is None):
+    on_kernel = layer(jnp.asarray(x))
+  off_kernel = layer(jnp.asarray(x))
+  for got in (on_kernel, off_kernel):
+    assert got.shape == (rows, 4, 16)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-6 * max(1.0, float(np.abs(want).max())))
+  assert layer.use_panels()  # already in panels: unchanged
+  assert layer.kernel[...].shape == (2, 48, 32)
+
+
+@pytest.mark.parametrize(
+    "in_f, out_f, dtype",
+    [(16, 48, jnp.float32), (16, 2 * cpu_gemm.MAX_PANEL_COLUMNS, jnp.float32), (16, 64, jnp.bfloat16)],
+)
+def test_use_panels_leaves_kernels_the_kernel_does_not_read_in_panels(in_f, out_f, dtype):
+  """N not a multiple of 32, wider than MAX_PANEL_COLUMNS, or not float32: left as they are."""
+  layer = DenseGeneral(in_f, out_f, dtype=dtype, weight_dtype=dtype, rngs=nnx.Rngs(0))
+  before = np.asarray(layer.kernel[...])
+  assert not layer.use_panels() and not layer.panels
+  np.testing.assert_array_equal(np.asarray(layer.kernel[...]), before)
+
+
+def test_use_panels_on_a_module_counts_the_bytes_and_works_on_shapes():
+  class Block(nnx.Module):
+    """A projection of 64 outputs (into panels) and a router of 7 (not a multiple of 32)."""
+
+    def __init__(self, rngs):
+      self.q = DenseGeneral(32, (2, 32), rngs=rngs)
+      self.router = DenseGeneral(32, 7, rngs=rngs)
+
+  block = Block(nnx.Rngs(0))
+  assert use_panels(block) == 32 * 64 * 4 and block.q.panels and not block.router.panels
+  abstract = nnx.eval_shape(lambda: Block(nnx.Rngs(0)))
+  assert use_panels(abstract) == 32 * 64 * 4
+  assert abstract.q.kernel.get_value() == jax.ShapeDtypeStruct((2, 32, 32), jnp.float32)
+
+
+@pytest.mark.skipif(cpu_gemm.unsupported_reason() is not None, reason="the kernel needs x86-64 with AVX2 and FMA")
+def test_project_takes_panels_past_eight_rows_and_row_major_kernels_to_xla():
+  """At 12 rows only the layers in panels share the kernel's call; each output equals the layer alone."""
+  rngs = nnx.Rngs(0)
+  layers = [DenseGeneral(32, 64, rngs=rngs), DenseGeneral(32, 40, rngs=rngs), DenseGeneral(32, (2, 16), rngs=rngs)]
+  layers[0].use_panels()
+  layers[2].use_panels()
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((12, 32)), jnp.float32)
+  with cpu_gemm.enabled():
+    jaxpr = str(jax.make_jaxpr(lambda x: project(x, layers))(x))
+    together = project(x, layers)
+    one_by_one = [layer(x) for layer in layers]
+  assert jaxpr.count("ffi_call") == 1 and jaxpr.count("dot_general") == 1
+  for got, want in zip(together, one_by_one):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

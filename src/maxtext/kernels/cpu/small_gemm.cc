@@ -4,7 +4,7 @@
 // matrix on every call, so at 2 to 8 rows it runs far below both the memory bandwidth and the FMA throughput. These
 // kernels read each weight once, in place:
 //
-//   maxtext_small_gemm_nn: y[M, N] = x[M, K] @ w[K, N]    (w row-major, as the dense layers store their kernels)
+//   maxtext_small_gemm_nn: y[M, N] = x[M, K] @ w[K, N]    (w row-major, as checkpoints hold dense kernels)
 //   maxtext_small_gemm_nt: y[M, N] = x[M, K] @ w[N, K]^T  (w row-major, as a tied output head stores the table)
 //   maxtext_small_gemm_nn_many: y_i = x @ w_i for several w_i  (one input's projections, their tasks in one call)
 //
@@ -20,6 +20,15 @@
 // the calling thread and this library's helper threads (parallel.h).
 // Partial sums are combined in a fixed order, so a result does not depend on the threads; it differs from XLA's dot
 // by float32 rounding only (the Python tests bound the difference against a float64 product).
+//
+// The NN products also take w in column panels, w [N / P, K, P] (panel t holds columns [t * P, t * P + P) of
+// the [K, N] matrix, row by row: `cpu_gemm.to_panels`), P = kPanel, and then any number of rows. A panel is one
+// contiguous stretch of memory that a task reads front to back whatever the rows of x: one row keeps the panel's P
+// sums in registers (a load and an FMA per vector of w, the pattern of a plain streaming read), 2-8 rows sum it in
+// the lanes into a buffer in the L1 cache, more rows go six at a time in registers while the panel stays in the
+// cache. Row-major [K, N] needs slices with partial sums in memory for one row and strided column chunks for more;
+// panels read faster at both (docs/architecture.md, "Weights in column panels"). `maxtext_from_panels` copies panels
+// back to [K, N].
 
 #include <immintrin.h>
 
@@ -58,6 +67,10 @@ constexpr int64_t kLongRow = 2048;
 // kMinExpertSlice rows.
 constexpr int64_t kMinExpertTasks = 4;
 constexpr int64_t kMinExpertSlice = 64;
+// Columns per panel of a weight in column panels, and the bytes of w a task of such a product reads (whole panels,
+// at least one; at least two tasks when there are two panels).
+constexpr int64_t kPanel = 32;
+constexpr int64_t kPanelTaskBytes = 256 * 1024;
 
 // The first 32-byte aligned float of a buffer allocated with kLanes floats to spare.
 inline float* Align32(float* data) {
@@ -329,34 +342,102 @@ void NTRowsChunk(const float* x, const float* w, float* y, int64_t k_size, int64
   }
 }
 
-// A product's sizes and operands: x transposed into lanes (only where a kernel reads it so), w and y in place.
+// One row: y[0, kPanel) = x @ panel, panel [K, kPanel] row-major (one column panel of w). The panel's kPanel sums
+// stay in registers while the panel is read front to back; each sums its rows in order.
+void PanelRow(const float* x, const float* panel, float* y, int64_t k_size) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t k = 0; k < k_size; ++k) {
+    const __m256 xk = _mm256_set1_ps(x[k]);
+    const float* wk = panel + k * kPanel;
+    a0 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(wk), a0);
+    a1 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(wk + 8), a1);
+    a2 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(wk + 16), a2);
+    a3 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(wk + 24), a3);
+  }
+  _mm256_storeu_ps(y, a0);
+  _mm256_storeu_ps(y + 8, a1);
+  _mm256_storeu_ps(y + 16, a2);
+  _mm256_storeu_ps(y + 24, a3);
+}
+
+// R rows (R <= 6): y[r][0, kPanel) = x[r] @ panel for r < R; x rows k_size floats apart, y rows n_size apart. Half a
+// panel at a time, its 16 columns of the R rows in 2R registers: per row of the panel, two loads of w, R broadcasts of
+// x and 2R FMAs (a product of many rows is bound by the FMAs). Each sum runs over k in order, as in PanelRow and
+// NNAccumulate, so a row's result does not depend on the rows beside it.
+template <int R>
+void PanelRows(const float* x, int64_t k_size, const float* panel, float* y, int64_t n_size) {
+  for (int64_t half = 0; half < kPanel; half += 16) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k_size; ++k) {
+      const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel + half);
+      const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + half + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xr = _mm256_broadcast_ss(x + r * k_size + k);
+        acc[r][0] = _mm256_fmadd_ps(xr, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(y + r * n_size + half, acc[r][0]);
+      _mm256_storeu_ps(y + r * n_size + half + 8, acc[r][1]);
+    }
+  }
+}
+
+// PanelRows over all m rows of x, six at a time.
+void PanelManyRows(const float* x, int64_t m, int64_t k_size, const float* panel, float* y, int64_t n_size) {
+  int64_t row = 0;
+  for (; row + 6 <= m; row += 6) PanelRows<6>(x + row * k_size, k_size, panel, y + row * n_size, n_size);
+  const float* xr = x + row * k_size;
+  float* yr = y + row * n_size;
+  switch (m - row) {
+    case 5: PanelRows<5>(xr, k_size, panel, yr, n_size); break;
+    case 4: PanelRows<4>(xr, k_size, panel, yr, n_size); break;
+    case 3: PanelRows<3>(xr, k_size, panel, yr, n_size); break;
+    case 2: PanelRows<2>(xr, k_size, panel, yr, n_size); break;
+    case 1: PanelRows<1>(xr, k_size, panel, yr, n_size); break;
+    default: break;
+  }
+}
+
+// A product's sizes and operands: x transposed into lanes (only where a kernel reads it so), w and y in place;
+// `panels` when w is in column panels [N / kPanel, K, kPanel].
 struct Product {
   int64_t m, k, n;
+  bool panels = false;
   std::shared_ptr<AlignedRows> xt;
   const float* w;
   float* y;
 };
 
-// Checks the shapes (w [K, N], or [N, K] when `transposed`) and prepares the product. `xt`, when given, is x already
-// transposed into lanes (for another product of the same x).
+// Checks the shapes (w [K, N] or, not `transposed`, column panels [N / kPanel, K, kPanel]; [N, K] when `transposed`)
+// and prepares the product. `xt`, when given, is x already transposed into lanes (for another product of the same x).
 ffi::Error Prepare(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w, ffi::ResultBuffer<ffi::F32>& y, bool transposed,
                    Product* p, std::shared_ptr<AlignedRows> xt = nullptr) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument("small_gemm: x, w and y must be 2-D");
+  p->panels = !transposed && wd.size() == 3;
+  if (xd.size() != 2 || yd.size() != 2 || (wd.size() != 2 && !p->panels)) {
+    return ffi::Error::InvalidArgument("small_gemm: x and y must be 2-D, w 2-D or (NN) 3-D column panels");
+  }
+  if (p->panels && wd[2] != kPanel) {
+    return ffi::Error::InvalidArgument("small_gemm: column panels must be 32 columns wide");
   }
   p->m = xd[0];
   p->k = xd[1];
-  p->n = transposed ? wd[0] : wd[1];
-  const int64_t wk = transposed ? wd[1] : wd[0];
-  if (p->m < 1 || p->m > kLanes) return ffi::Error::InvalidArgument("small_gemm: x must have 1 to 8 rows");
+  p->n = p->panels ? wd[0] * kPanel : (transposed ? wd[0] : wd[1]);
+  const int64_t wk = p->panels ? wd[1] : (transposed ? wd[1] : wd[0]);
+  // Column panels take any number of rows (8 at a time, each panel read from memory once); the others 1 to 8.
+  if (p->m < 1 || (p->m > kLanes && !p->panels)) {
+    return ffi::Error::InvalidArgument("small_gemm: x must have 1 to 8 rows (any number with column panels)");
+  }
   if (wk != p->k || yd[0] != p->m || yd[1] != p->n) {
     return ffi::Error::InvalidArgument("small_gemm: the shapes of x, w and y do not match");
   }
   // The NN product of 2-8 rows and the NT product of 7-8 read x transposed into lanes; the others read it in place.
-  if (p->m > (transposed ? kMaxRowsNT : 1)) {
+  if (p->m > (transposed ? kMaxRowsNT : 1) && p->m <= kLanes) {
     p->xt = xt != nullptr ? std::move(xt) : std::make_shared<AlignedRows>(x.typed_data(), p->m, p->k);
   }
   p->w = w.typed_data();
@@ -368,10 +449,18 @@ ffi::Error Prepare(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w, ffi::Resu
 // `Finish()` on the calling thread. The partial sums live in the object, so keep it until Finish.
 class NNProduct {
  public:
-  // x [m, k] in place; xt x transposed into lanes (read for 2-8 rows; may be null for one row); w [k, n]; y [m, n].
-  NNProduct(const float* x, const AlignedRows* xt, int64_t m, int64_t k, int64_t n, const float* w, float* y)
+  // x [m, k] in place; xt x transposed into lanes (read for 2-8 rows; may be null for one row); w [k, n], or with
+  // `panels` [n / kPanel, k, kPanel]; y [m, n].
+  NNProduct(const float* x, const AlignedRows* xt, int64_t m, int64_t k, int64_t n, const float* w, float* y,
+            bool panels = false)
       : x_(x), xt_(xt), m_(m), k_(k), n_(n), w_(w), y_(y), slices_(k) {
-    if (m == 1) {
+    if (panels) {
+      // Whole panels per task, each written out by its task: no partial sums, no tail.
+      mode_ = kPanels;
+      const int64_t count = n / kPanel;
+      width_ = std::clamp<int64_t>(kPanelTaskBytes / (k * kPanel * sizeof(float)), 1, std::max<int64_t>(1, count / 2));
+      tasks_ = (count + width_ - 1) / width_;
+    } else if (m == 1) {
       // One row: slices of whole rows of w, each read front to back as one stream into its own sums, added in
       // slice order.
       mode_ = kRow;
@@ -414,6 +503,25 @@ class NNProduct {
       case kSlices:
         NNAccumulate(xt_->data(), w_, base_ + c * n_ * kLanes, slices_.begin(c), slices_.end(c), n_, 0, n_);
         break;
+      case kPanels: {
+        const int64_t end = std::min(n_ / kPanel, (c + 1) * width_);
+        for (int64_t t = c * width_; t < end; ++t) {
+          const float* panel = w_ + t * k_ * kPanel;
+          if (m_ == 1) {
+            PanelRow(x_, panel, y_ + t * kPanel, k_);
+            continue;
+          }
+          if (m_ > kLanes) {
+            // Many rows (a prefill): six at a time, the panel staying in the cache while they read it.
+            PanelManyRows(x_, m_, k_, panel, y_ + t * kPanel, n_);
+            continue;
+          }
+          alignas(32) float acc_buf[kPanel * kLanes] = {};
+          NNAccumulate(xt_->data(), panel, acc_buf, 0, k_, kPanel, 0, kPanel);
+          NNStore(acc_buf, y_, m_, n_, t * kPanel, (t + 1) * kPanel);
+        }
+        break;
+      }
     }
   }
 
@@ -428,7 +536,7 @@ class NNProduct {
   }
 
  private:
-  enum Mode { kRow, kColumns, kSlices };
+  enum Mode { kRow, kColumns, kSlices, kPanels };
   const float* x_;
   const AlignedRows* xt_;
   int64_t m_, k_, n_;
@@ -436,7 +544,7 @@ class NNProduct {
   float* y_;
   RowSlices slices_;
   Mode mode_ = kRow;
-  int64_t tasks_ = 0, width_ = 0;
+  int64_t tasks_ = 0, width_ = 0;  // width_: columns per task (kColumns) or panels per task (kPanels)
   std::vector<float> partial_;
   float* base_ = nullptr;
 };
@@ -445,7 +553,7 @@ ffi::Error SmallGemmNN(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
   Product p;
   if (ffi::Error error = Prepare(x, w, y, false, &p); error.failure()) return error;
-  const NNProduct product(x.typed_data(), p.xt.get(), p.m, p.k, p.n, p.w, p.y);
+  const NNProduct product(x.typed_data(), p.xt.get(), p.m, p.k, p.n, p.w, p.y, p.panels);
   ParallelChunks(product.tasks(), [&product](int64_t c) { product.Run(c); });
   product.Finish();
   return ffi::Error::Success();
@@ -469,7 +577,7 @@ ffi::Error SmallGemmNNMany(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::
     Product p;
     if (ffi::Error error = Prepare(x, *w, *y, false, &p, xt); error.failure()) return error;
     xt = p.xt;  // built by the first product (2-8 rows), shared by the others
-    products.push_back(std::make_unique<NNProduct>(x.typed_data(), xt.get(), p.m, p.k, p.n, p.w, p.y));
+    products.push_back(std::make_unique<NNProduct>(x.typed_data(), xt.get(), p.m, p.k, p.n, p.w, p.y, p.panels));
     first_task.push_back(first_task.back() + products.back()->tasks());
   }
   ParallelChunks(first_task.back(), [&products, &first_task](int64_t task) {
@@ -500,6 +608,29 @@ ffi::Error SmallGemmNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
       case 4: NTRowsChunk<4>(xs, p.w, p.y, p.k, p.n, n0, n1); break;
       case 5: NTRowsChunk<5>(xs, p.w, p.y, p.k, p.n, n0, n1); break;
       default: NTRowsChunk<6>(xs, p.w, p.y, p.k, p.n, n0, n1); break;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// w [K, N] from its column panels [N / kPanel, K, kPanel], for XLA's dot (a product of more than 8 rows). Each task
+// copies whole panels, each read front to back, a row of kPanel floats at a time to its place in w.
+ffi::Error FromPanels(ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> w) {
+  auto pd = panels.dimensions();
+  auto wd = w->dimensions();
+  if (pd.size() != 3 || wd.size() != 2 || pd[2] != kPanel || wd[0] != pd[1] || wd[1] != pd[0] * kPanel) {
+    return ffi::Error::InvalidArgument("from_panels: panels must be [N / 32, K, 32] and w [K, N]");
+  }
+  const int64_t count = pd[0], k_size = pd[1], n_size = wd[1];
+  const int64_t per_task = std::clamp<int64_t>(kPanelTaskBytes / (k_size * kPanel * sizeof(float)), 1, count);
+  const float* src = panels.typed_data();
+  float* dst = w->typed_data();
+  ParallelChunks((count + per_task - 1) / per_task, [=](int64_t c) {
+    for (int64_t t = c * per_task; t < std::min(count, (c + 1) * per_task); ++t) {
+      const float* panel = src + t * k_size * kPanel;
+      for (int64_t k = 0; k < k_size; ++k) {
+        std::memcpy(dst + k * n_size + t * kPanel, panel + k * kPanel, sizeof(float) * kPanel);
+      }
     }
   });
   return ffi::Error::Success();
@@ -611,6 +742,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNN, SmallGemmNN, MAXTEXT_SMALL_GEM
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNT, SmallGemmNT, MAXTEXT_SMALL_GEMM_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNNMany, SmallGemmNNMany,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().RemainingArgs().RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextFromPanels, FromPanels,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextExpertGemm, ExpertGemm,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()

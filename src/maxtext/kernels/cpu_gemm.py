@@ -42,6 +42,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +253,11 @@ def to_panels(w: jax.Array) -> jax.Array:
   k, n = w.shape
   if isinstance(w, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct((n // PANEL, k, PANEL), w.dtype)
-  return jnp.transpose(w.reshape(k, n // PANEL, PANEL), (1, 0, 2))
+  if isinstance(w, jax.core.Tracer):
+    return jnp.transpose(w.reshape(k, n // PANEL, PANEL), (1, 0, 2))
+  # A concrete array (the engine converting loaded weights) is copied by NumPy: an eager XLA transpose compiles a
+  # program per shape, about 10 ms per layer.
+  return jnp.asarray(np.ascontiguousarray(np.asarray(w).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)))
 
 
 def from_panels(panels: jax.Array) -> jax.Array:

@@ -456,6 +456,7 @@ def test_to_panels_puts_columns_in_contiguous_panels():
   for t in range(3):
     np.testing.assert_array_equal(panels[t], w[:, 32 * t : 32 * t + 32])
   np.testing.assert_array_equal(np.asarray(cpu_gemm.from_panels(jnp.asarray(panels))), w)
+  np.testing.assert_array_equal(np.asarray(jax.jit(cpu_gemm.to_panels)(jnp.asarray(w))), panels)  # traced: XLA's
   abstract = cpu_gemm.to_panels(jax.ShapeDtypeStruct((5, 96), jnp.float32))
   assert abstract == jax.ShapeDtypeStruct((3, 5, 32), jnp.float32)
 

@@ -82,9 +82,7 @@ def _products(
   ys: list[jax.Array | None] = [None] * len(kernels)
   if on_kernel:
     flat_x = x.reshape(rows, size_in)
-    flat_kernels = [
-        kernels[i] if panels[i] else kernels[i].reshape(size_in, math.prod(out_shapes[i])) for i in on_kernel
-    ]
+    flat_kernels = [kernels[i] if panels[i] else kernels[i].reshape(size_in, math.prod(out_shapes[i])) for i in on_kernel]
     flats = (cpu_gemm.matmul(flat_x, flat_kernels[0]),) if len(on_kernel) == 1 else cpu_gemm.matmuls(flat_x, flat_kernels)
     for i, flat in zip(on_kernel, flats):
       ys[i] = flat.reshape(batch_shape + out_shapes[i])

@@ -62,7 +62,6 @@ TARGETS = {
     "nt": ("maxtext_small_gemm_nt", "MaxtextSmallGemmNT"),
     "nn_many": ("maxtext_small_gemm_nn_many", "MaxtextSmallGemmNNMany"),
     "experts": ("maxtext_expert_gemm", "MaxtextExpertGemm"),
-    "from_panels": ("maxtext_from_panels", "MaxtextFromPanels"),
     "attention": ("maxtext_paged_attention", "MaxtextPagedAttention"),  # served by cpu_attention.py
 }
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -263,16 +262,14 @@ def to_panels(w: jax.Array) -> jax.Array:
 def from_panels(panels: jax.Array) -> jax.Array:
   """The `[K, N]` weight of column panels `[N / PANEL, K, PANEL]` (`to_panels`'s inverse), a copy.
 
-  Inside `enabled()` a float32 copy is the library's (its threads, a panel row at a time): XLA's transpose copied
-  panels at about a third of the speed, on every prefill that reads them.
+  Only a product outside the kernel's reach needs it (`linears` sends every product in panels to the kernel inside
+  `enabled()`, at any number of rows).
 
   Raises:
     ValueError: `panels` is not 3-D with a last axis of `PANEL`.
   """
   _check_panels(panels)
   count, k, _ = panels.shape
-  if _serves(1, 1, 1, (panels.dtype,)):
-    return jax.ffi.ffi_call(TARGETS["from_panels"][0], jax.ShapeDtypeStruct((k, count * PANEL), jnp.float32))(panels)
   return jnp.transpose(panels, (1, 0, 2)).reshape(k, count * PANEL)
 
 
@@ -295,16 +292,16 @@ def _call(kind: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _check(kind: str, x: jax.Array, w: jax.Array) -> None:
-  if kind == "nn" and w.ndim == 3:
+  panels = kind == "nn" and w.ndim == 3
+  if panels:
     _check_panels(w)
   elif x.ndim != 2 or w.ndim != 2:
     raise ValueError(f"small-batch matmul takes 2-D operands, got x {x.shape} and w {w.shape}")
   if x.ndim != 2:
     raise ValueError(f"small-batch matmul takes a 2-D x, got x {x.shape}")
-  panels = kind == "nn" and w.ndim == 3
   if not 1 <= x.shape[0] <= (x.shape[0] if panels else MAX_ROWS):
     raise ValueError(f"small-batch matmul takes 1 to {MAX_ROWS} rows (any number with panels), got x {x.shape}")
-  k_axis = {"nt": 1, "nn": 1 if w.ndim == 3 else 0}[kind]
+  k_axis = 1 if panels or kind == "nt" else 0
   if x.shape[1] != w.shape[k_axis]:
     raise ValueError(f"small-batch matmul: x {x.shape} and w {w.shape} ({kind}) do not share their inner size")
   if x.dtype != jnp.float32 or w.dtype != jnp.float32:

@@ -498,29 +498,6 @@ def test_applies_panels_takes_any_number_of_float32_rows_inside_enabled():
     assert not cpu_gemm.applies_panels(9, jnp.bfloat16)
 
 
-@needs_kernel
-def test_from_panels_inside_enabled_is_the_kernel_s_copy():
-  """The library's copy (in the program as a kernel call) equals XLA's transpose, and the weight, bit for bit."""
-  assert cpu_gemm.load()
-  w = np.random.default_rng(0).standard_normal((70, 96)).astype(np.float32)
-  panels = cpu_gemm.to_panels(jnp.asarray(w))
-  with cpu_gemm.enabled():
-    assert _uses_kernel(cpu_gemm.from_panels, panels)
-    copied = jax.jit(cpu_gemm.from_panels)(panels)
-  assert not _uses_kernel(cpu_gemm.from_panels, panels)
-  np.testing.assert_array_equal(np.asarray(copied), w)
-  np.testing.assert_array_equal(np.asarray(cpu_gemm.from_panels(panels)), w)
-
-
-@needs_kernel
-def test_from_panels_kernel_checks_its_shapes():
-  """The library's own check, reached by calling its target directly (`from_panels` checks first)."""
-  assert cpu_gemm.load()
-  call = jax.ffi.ffi_call(cpu_gemm.TARGETS["from_panels"][0], jax.ShapeDtypeStruct((4, 64), jnp.float32))
-  with pytest.raises(jax.errors.JaxRuntimeError, match=r"panels must be \[N / 32, K, 32\] and w \[K, N\]"):
-    jax.block_until_ready(jax.jit(call)(np.ones((2, 5, 32), np.float32)))
-
-
 @pytest.mark.parametrize(
     "x, w, match",
     [

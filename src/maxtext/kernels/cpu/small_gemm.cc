@@ -27,8 +27,7 @@
 // sums in registers (a load and an FMA per vector of w, the pattern of a plain streaming read), 2-8 rows sum it in
 // the lanes into a buffer in the L1 cache, more rows go six at a time in registers while the panel stays in the
 // cache. Row-major [K, N] needs slices with partial sums in memory for one row and strided column chunks for more;
-// panels read faster at both (docs/architecture.md, "Weights in column panels"). `maxtext_from_panels` copies panels
-// back to [K, N].
+// panels read faster at both (docs/architecture.md, "Weights in column panels").
 
 #include <immintrin.h>
 
@@ -613,29 +612,6 @@ ffi::Error SmallGemmNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
   return ffi::Error::Success();
 }
 
-// w [K, N] from its column panels [N / kPanel, K, kPanel], for XLA's dot (a product of more than 8 rows). Each task
-// copies whole panels, each read front to back, a row of kPanel floats at a time to its place in w.
-ffi::Error FromPanels(ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> w) {
-  auto pd = panels.dimensions();
-  auto wd = w->dimensions();
-  if (pd.size() != 3 || wd.size() != 2 || pd[2] != kPanel || wd[0] != pd[1] || wd[1] != pd[0] * kPanel) {
-    return ffi::Error::InvalidArgument("from_panels: panels must be [N / 32, K, 32] and w [K, N]");
-  }
-  const int64_t count = pd[0], k_size = pd[1], n_size = wd[1];
-  const int64_t per_task = std::clamp<int64_t>(kPanelTaskBytes / (k_size * kPanel * sizeof(float)), 1, count);
-  const float* src = panels.typed_data();
-  float* dst = w->typed_data();
-  ParallelChunks((count + per_task - 1) / per_task, [=](int64_t c) {
-    for (int64_t t = c * per_task; t < std::min(count, (c + 1) * per_task); ++t) {
-      const float* panel = src + t * k_size * kPanel;
-      for (int64_t k = 0; k < k_size; ++k) {
-        std::memcpy(dst + k * n_size + t * kPanel, panel + k * kPanel, sizeof(float) * kPanel);
-      }
-    }
-  });
-  return ffi::Error::Success();
-}
-
 // y[r] = x[r] @ w[experts[r]] for r in [0, R): x [R, K], w [E, K, N] (one [K, N] matrix per expert, read in
 // place), experts [R] int32 in [0, E). The rows are grouped by expert in row order and each group is cut into
 // chunks of up to 8 rows, so a chunk reads its expert's matrix once: a single row as a matrix-vector product, more
@@ -742,8 +718,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNN, SmallGemmNN, MAXTEXT_SMALL_GEM
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNT, SmallGemmNT, MAXTEXT_SMALL_GEMM_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextSmallGemmNNMany, SmallGemmNNMany,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().RemainingArgs().RemainingRets());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextFromPanels, FromPanels,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextExpertGemm, ExpertGemm,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -254,9 +254,9 @@ def to_panels(w: jax.Array) -> jax.Array:
     return jax.ShapeDtypeStruct((n // PANEL, k, PANEL), w.dtype)
   if isinstance(w, jax.core.Tracer):
     return jnp.transpose(w.reshape(k, n // PANEL, PANEL), (1, 0, 2))
-  # A concrete array (the engine converting loaded weights) is copied by NumPy: an eager XLA transpose compiles a
-  # program per shape, about 10 ms per layer.
-  return jnp.asarray(np.ascontiguousarray(np.asarray(w).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)))
+  # A concrete array (the engine converting loaded weights) is copied by NumPy and moved by `device_put`: an eager
+  # XLA transpose, or `jnp.asarray`, compiles a program per shape, about 10 ms per layer.
+  return jax.device_put(np.ascontiguousarray(np.asarray(w).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)))
 
 
 def from_panels(panels: jax.Array) -> jax.Array:

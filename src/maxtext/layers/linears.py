@@ -145,11 +145,12 @@ class DenseGeneral(nnx.Module):
     fits = size_out % cpu_gemm.PANEL == 0 and size_out <= cpu_gemm.MAX_PANEL_COLUMNS
     if not fits or kernel.dtype != jnp.float32 or self.dtype != jnp.float32:
       return False
-    flat = (
-        jax.ShapeDtypeStruct((size_in, size_out), kernel.dtype)
-        if isinstance(kernel, jax.ShapeDtypeStruct)
-        else kernel.reshape(size_in, size_out)
-    )
+    if isinstance(kernel, jax.ShapeDtypeStruct):
+      flat = jax.ShapeDtypeStruct((size_in, size_out), kernel.dtype)
+    else:
+      # A loaded kernel is reshaped by NumPy (a view; `to_panels` copies it once): an eager XLA reshape compiles a
+      # program per shape, a few tenths of a second of a hybrid model's load.
+      flat = np.asarray(kernel).reshape(size_in, size_out)
     self.kernel.set_value(cpu_gemm.to_panels(flat))
     self.panels = True
     return True

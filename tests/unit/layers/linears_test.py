@@ -1,5 +1,7 @@
 """DenseGeneral: multi-axis kernels [in..., out...], bias, dtypes, validation, column panels."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,6 +105,16 @@ def test_use_panels_on_a_module_counts_the_bytes_and_works_on_shapes():
   abstract = nnx.eval_shape(lambda: Block(nnx.Rngs(0)))
   assert use_panels(abstract) == 32 * 64 * 4
   assert abstract.q.kernel.get_value() == jax.ShapeDtypeStruct((2, 32, 32), jnp.float32)
+
+
+def test_use_panels_on_loaded_weights_compiles_no_program(caplog):
+  """A loaded multi-axis kernel goes into panels by NumPy: no XLA program per shape (a load's time), same values."""
+  layer = DenseGeneral((2, 16), (3, 32), rngs=nnx.Rngs(0))
+  before = np.asarray(layer.kernel[...]).reshape(32, 96)
+  with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+    assert layer.use_panels()
+  assert not [r for r in caplog.records if "Compiling" in r.getMessage()]
+  np.testing.assert_array_equal(np.asarray(cpu_gemm.from_panels(layer.kernel[...])), before)
 
 
 @pytest.mark.skipif(cpu_gemm.unsupported_reason() is not None, reason="the kernel needs x86-64 with AVX2 and FMA")

@@ -1,5 +1,7 @@
 """Flat parameter access: shapes from the config, round trip into an abstract model, validation errors."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -50,6 +52,24 @@ def test_assign_accepts_a_mapping_and_casts_on_request():
   emb = get_flat_params(target)["embedder.embedding"]
   assert emb.dtype == jnp.bfloat16 and float(emb[0, 0]) == 0.5
   assign_params(target, {k: v.astype(ml_dtypes.bfloat16) for k, v in arrays.items()})
+
+
+def test_assign_moves_host_arrays_without_compiling_and_keeps_device_arrays(caplog):
+  """Host arrays go to the device by `device_put` (`jnp.asarray` compiles a program per new shape); device arrays
+  are kept as they are, or cast when their dtype differs."""
+  cfg = load_config(model_name="llama-tiny")
+  target = abstract_model(cfg)
+  arrays = {k: np.full(v.shape, 0.25, v.dtype) for k, v in flat_param_shapes(cfg).items()}
+  with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+    assign_params(target, arrays)
+  assert not [r for r in caplog.records if "Compiling" in r.getMessage()]
+  assert float(get_flat_params(target)["embedder.embedding"][0, 0]) == 0.25
+  on_device = {k: jnp.asarray(v) for k, v in arrays.items()}
+  assign_params(target, on_device)
+  assert get_flat_params(target)["final_norm.scale"] is on_device["final_norm.scale"]
+  bf16 = abstract_model(load_config(model_name="llama-tiny", weight_dtype="bfloat16"))
+  assign_params(bf16, on_device, cast_dtype=True)
+  assert get_flat_params(bf16)["final_norm.scale"].dtype == jnp.bfloat16
 
 
 def _llama_arrays():

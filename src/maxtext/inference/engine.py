@@ -250,7 +250,7 @@ class LLMEngine:
     def zero_rows(states, rows):
       return tuple(state.at[rows].set(0, mode="drop") for state in states)
 
-    # The runner's settings: kv_caches donated, the layer map static. Steps of 2-8 tokens, the kernel's, compile
+    # The runner's settings: kv_caches donated, the layer map static. Steps of 1-8 tokens, the kernel's, compile
     # with its compile options; the others with XLA's defaults (one jitted function each, traced per shape).
     small_options = cpu_gemm.small_batch_compiler_options() if self.use_cpu_gemm else {}
     self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(5,))
@@ -351,8 +351,8 @@ class LLMEngine:
     return (self._step_greedy_small if self._is_small(batch) else self._step_greedy), indices
 
   def _is_small(self, batch: BatchInputs) -> bool:
-    """Whether the step runs the small-batch programs (the CPU kernel's 2-8 tokens)."""
-    return self.use_cpu_gemm and cpu_gemm.MIN_ROWS <= batch.padded_num_tokens <= cpu_gemm.MAX_ROWS
+    """Whether the step runs the small-batch programs (the CPU kernel's 1-8 tokens)."""
+    return self.use_cpu_gemm and batch.padded_num_tokens <= cpu_gemm.MAX_ROWS
 
   def _wait_for_background_compile(self, batch: BatchInputs) -> None:
     """Before a greedy step of the background program's token bucket, waits until that program is compiled."""

@@ -49,9 +49,9 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = (SOURCE_DIR / "small_gemm.cc", SOURCE_DIR / "paged_attention.cc")  # one library; the headers are shared
 HEADERS = (SOURCE_DIR / "parallel.h", SOURCE_DIR / "simd.h")
-MAX_ROWS = 8  # rows of x the small-batch products take (one row is a matrix-vector product)
-# Steps of this many tokens compile without YNNPACK's fusions (`small_batch_compiler_options`).
-MIN_ROWS = 2
+# Rows of x the small-batch products take (one row is a matrix-vector product); steps of up to this many tokens
+# compile without YNNPACK's fusions (`small_batch_compiler_options`).
+MAX_ROWS = 8
 MAX_EXPERT_ROWS = 1024  # (token, choice) rows up to which the routed experts run on the kernel
 PANEL = 32  # columns per panel of a weight in column panels (`to_panels`; cpu/small_gemm.cc's kPanel)
 # Weights up to this many columns go into panels (`linears.use_panels`). A wider one (an untied output head, 32000
@@ -67,8 +67,8 @@ TARGETS = {
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 _ENABLED = contextvars.ContextVar("maxtext_cpu_gemm_enabled", default=False)
 # XLA's CPU compiler hands element-wise and reduction fusions to YNNPACK. In a decode step of a few rows those
-# fusions (the attention's scores, softmax and weighted sum) cost more per call than XLA's own loops: a Gemma3 batch
-# of 8 spent about a third of its step in them. Programs of 2-8 rows compile without them.
+# fusions (the attention's scores, softmax and weighted sum; a Gated DeltaNet's conv) cost more per call than XLA's
+# own loops: a Gemma3 batch of 8 spent about a third of its step in them. Programs of 1-8 rows compile without them.
 _SMALL_BATCH_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
@@ -175,7 +175,7 @@ def load() -> bool:
 
 @functools.cache
 def small_batch_compiler_options() -> dict[str, str]:
-  """XLA compile options for the programs the kernel serves (2-8 rows): YNNPACK's fusions off.
+  """XLA compile options for the decode programs the kernel serves (1-8 rows): YNNPACK's fusions off.
 
   Returns:
     The options, or {} (logged once) when this jaxlib does not know them.

@@ -10,7 +10,7 @@ chunked prefills share one code path.
 import jax
 import jax.numpy as jnp
 
-from maxtext.kernels import ragged_batch
+from maxtext.kernels import cpu_gemm, ragged_batch
 
 
 def _validate(x, conv_state, weight, bias, state_indices, query_start_loc, seq_lens, distribution, read) -> None:
@@ -95,7 +95,15 @@ def ragged_conv1d(
   tokens = jnp.arange(num_tokens, dtype=jnp.int32)
   from_x, from_state, in_chunk = rows_before(tokens + 1, layout.request_ids, width)  # [T, K, C] each
   window = jnp.where(in_chunk[..., None], from_x.astype(jnp.float32), from_state.astype(jnp.float32))
-  y = jnp.einsum("tkc,ck->tc", window, weight[:, 0, :].astype(jnp.float32))
+  taps = weight[:, 0, :].astype(jnp.float32)  # [C, K]
+  if num_tokens <= cpu_gemm.MAX_ROWS and cpu_gemm.active():
+    # A decode program the engine compiles without YNNPACK's fusions (`cpu_gemm.small_batch_compiler_options`):
+    # a product and a sum over the K taps, one fused loop of XLA's (about 6 us per layer for one token, where the
+    # einsum's dot and the transpose of the taps before it took about 16 us).
+    y = jnp.sum(window * taps.T, axis=1)
+  else:
+    # A prefill: YNNPACK runs the contraction as a dot, 2-3x faster than its fusion of the product and sum.
+    y = jnp.einsum("tkc,ck->tc", window, taps)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   y = jnp.where(layout.token_valid[:, None], jax.nn.silu(y), 0.0).astype(x.dtype)

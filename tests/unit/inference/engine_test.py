@@ -276,8 +276,10 @@ def test_small_batch_matmul_kernel_serves_single_cpu_device_decodes_with_the_sam
     assert not expected or max(rows for (rows, _), w_ndim in traced if w_ndim == 3) > 8  # a prefill on panels
     assert bool(attended) is expected
     assert not expected or max(num_tokens for num_tokens, _, _ in attended) > 8  # the prefill programs' too
-    # Steps of 2-8 tokens ran as the program compiled with the kernel's options (and only with the kernel on).
+    # Steps of 1-8 tokens ran as the program compiled with the kernel's options (and only with the kernel on), the
+    # one-token decodes among them; prefills of more tokens did not.
     assert bool(small_steps) is expected
+    assert not expected or ((1,) in small_steps and all(shape[0] <= 8 for shape in small_steps))
   assert tokens[True] == tokens[False]
 
 

@@ -11,7 +11,8 @@ several products of one input (a block's projections, through `linears.project`)
 take a weight in column panels (`to_panels`, `[N / PANEL, K, PANEL]`, how the engine stores its dense kernels:
 `linears.use_panels`), read a panel at a time at any number of rows, a prefill's included.
 
-The same library holds the paged attention handler (`cpu/paged_attention.cc`), which `cpu_attention.py` serves.
+The same library holds the paged attention handler (`cpu/paged_attention.cc`), which `cpu_attention.py` serves,
+and the gated delta rule's recurrence (`cpu/gated_delta.cc`), which `cpu_gated_delta.py` serves.
 
 The kernel is C++ shipped as source: `load()` compiles it once per source, JAX version and compiler into
 `kernels/` under this package's cache folder (`$MAXTEXT_CACHE_DIR`, else `~/.cache/maxtext`) with the system C++
@@ -47,7 +48,8 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
-SOURCES = (SOURCE_DIR / "small_gemm.cc", SOURCE_DIR / "paged_attention.cc")  # one library; the headers are shared
+# One library; the headers are shared.
+SOURCES = (SOURCE_DIR / "small_gemm.cc", SOURCE_DIR / "paged_attention.cc", SOURCE_DIR / "gated_delta.cc")
 HEADERS = (SOURCE_DIR / "parallel.h", SOURCE_DIR / "simd.h")
 # Rows of x the small-batch products take (one row is a matrix-vector product); steps of up to this many tokens
 # compile without YNNPACK's fusions (`small_batch_compiler_options`).
@@ -63,6 +65,7 @@ TARGETS = {
     "nn_many": ("maxtext_small_gemm_nn_many", "MaxtextSmallGemmNNMany"),
     "experts": ("maxtext_expert_gemm", "MaxtextExpertGemm"),
     "attention": ("maxtext_paged_attention", "MaxtextPagedAttention"),  # served by cpu_attention.py
+    "gated_delta": ("maxtext_gated_delta", "MaxtextGatedDelta"),  # served by cpu_gated_delta.py
 }
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 _ENABLED = contextvars.ContextVar("maxtext_cpu_gemm_enabled", default=False)
@@ -146,7 +149,7 @@ def build(compiler: str | None = None, folder: Path | None = None) -> Path:
       raise RuntimeError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
     if result.returncode != 0:
       first_lines = " | ".join(result.stderr.strip().splitlines()[:3])
-      names = " and ".join(f.name for f in SOURCES)
+      names = ", ".join(f.name for f in SOURCES)
       raise RuntimeError(f"{compiler} failed (exit status {result.returncode}) building {names}: {first_lines}")
     os.replace(partial, path)
   return path

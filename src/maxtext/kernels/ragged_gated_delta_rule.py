@@ -4,13 +4,15 @@ Approach: a `lax.scan` over the T tokens of the batch, carrying the running stat
 (`[nv, dk, dv]` fp32) and the slot array. A request's first token loads its initial state (its slot, or zeros
 without earlier tokens); its last token stores the state back into its slot. Decodes, prefills and chunked
 prefills share this path; the sequential cost is one small step per token, fine for CPU-sized batches. The
-per-token algebra is the recurrent form of the gated delta rule; a TPU backend replaces the whole function.
+per-token algebra is the recurrent form of the gated delta rule; a TPU backend replaces the whole function. Inside
+`cpu_gemm.enabled()` (the engine's step programs on one CPU device) the recurrence runs on the CPU kernel instead
+(`cpu_gated_delta`), each request's tokens in order on its state slot, in place.
 """
 
 import jax
 import jax.numpy as jnp
 
-from maxtext.kernels import ragged_batch
+from maxtext.kernels import cpu_gated_delta, ragged_batch
 
 _L2_EPS = 1e-6
 
@@ -128,6 +130,25 @@ def ragged_gated_delta_rule(
     out = e_t[:, None] * q_state + jnp.sum(q_t * k_t, axis=-1)[:, None] * v_new
     return e_t[:, None, None] * state + k_t[:, :, None] * v_new[:, None, :], out
 
+  if cpu_gated_delta.applies(qf.dtype, vf.dtype, recurrent_state.dtype):
+    # The CPU kernel runs the recurrence of every request on its state slot, in place (no loop over tokens or
+    # conditional in XLA).
+    layout = ragged_batch.token_layout(q.shape[0], query_start_loc, distribution)
+    has_init = ragged_batch.has_initial_state(layout, seq_lens, read_state_indices)
+    read = state_indices if read_state_indices is None else read_state_indices
+    out, new_state = cpu_gated_delta.gated_delta(
+        qf,
+        kf,
+        vf,
+        beta,
+        decay,
+        query_start_loc.astype(jnp.int32),
+        jnp.where(has_init, read.astype(jnp.int32), -1),
+        state_indices.astype(jnp.int32),
+        distribution.astype(jnp.int32),
+        recurrent_state,
+    )
+    return out.astype(v.dtype), new_state
   out, new_state = ragged_batch.ragged_state_scan(
       update,
       (qf, kf, vf, beta, decay),

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtext.kernels import ragged_conv1d
+from maxtext.kernels import cpu_gemm, ragged_conv1d
 from maxtext.kernels import ragged_gated_delta_rule as gdr
 
 # (tokens already seen, new tokens, state slot): decodes, a new prefill whose slot holds a stale state, a
@@ -242,3 +242,35 @@ def test_decodes_with_split_read_and_write_slots(num_tokens):
   np.testing.assert_allclose(np.asarray(out, np.float64)[:valid], ref_out[:valid], atol=1e-5, rtol=1e-5)
   np.testing.assert_array_equal(np.asarray(out)[valid:], 0.0)
   np.testing.assert_allclose(np.asarray(new_state, np.float64), ref_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(cpu_gemm.unsupported_reason() is not None, reason="the kernel needs x86-64 with AVX2 and FMA")
+@pytest.mark.parametrize(
+    "requests, num_tokens, max_reqs, read, nk",
+    [
+        (((5, 1, 3),), 1, 4, None, 2),  # one decode
+        (((3, 1, 1), (7, 1, 6), (1, 1, 8)), 4, 4, None, 2),  # decodes and a padding token
+        (((5, 1, 3), (4, 1, 5), (6, 1, 2)), 4, 4, [1, 0, 6, 0], 2),  # split read slots, the null slot: zeros
+        (((5, 1, 3), (4, 1, 5), (6, 1, 2)), 4, 4, [5, 2, 3, 0], 2),  # each reads a slot another request writes
+        (REQUESTS, 16, 7, None, 2),  # decodes, new and chunked prefills, a stale slot, padded requests
+        (REQUESTS, 16, 7, None, 1),  # one key head for four value heads
+        (((4, 3, 5), (6, 2, 2), (0, 4, 7)), 12, 6, [1, 4, 0, 0, 0, 0], 2),  # prefills resuming from other slots
+    ],
+)
+def test_the_cpu_kernel_runs_the_recurrence_as_the_reference(requests, num_tokens, max_reqs, read, nk):
+  """Inside `cpu_gemm.enabled()` the recurrence runs on the kernel (`cpu_gated_delta`): no loop over tokens and no
+  conditional in XLA, the reference's outputs and states, and slots no request writes left bit for bit."""
+  g = _make_batch(9, requests, nk=nk, num_tokens=num_tokens, max_reqs=max_reqs)
+  args = g.args() + (() if read is None else (jnp.asarray(np.array(read, np.int32)),))
+  with cpu_gemm.enabled():  # a new function: JAX reuses a function's traces
+    jaxpr = str(jax.make_jaxpr(functools.partial(gdr.ragged_gated_delta_rule))(*args))
+    out, new_state = jax.jit(functools.partial(gdr.ragged_gated_delta_rule))(*args)
+  assert "maxtext_gated_delta" in jaxpr and "scan" not in jaxpr and "cond" not in jaxpr
+  ref_out, ref_state = _reference(g, None if read is None else np.array(read, np.int32))
+  valid = g.query_start_loc[g.distribution[2]]
+  np.testing.assert_allclose(np.asarray(out, np.float64)[:valid], ref_out[:valid], atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(out)[valid:], 0.0)
+  np.testing.assert_allclose(np.asarray(new_state, np.float64), ref_state, atol=1e-5, rtol=1e-5)
+  written = set(g.state_indices[: g.distribution[2]].tolist())
+  for slot in sorted(set(range(g.state.shape[0])) - written):
+    np.testing.assert_array_equal(np.asarray(new_state)[slot], g.state[slot])

@@ -292,18 +292,26 @@ class LLMEngine:
         raise RuntimeError("loading the weights changed the model's structure; the step programs were built for it")
     else:
       self.state = state
-    # The weights move onto 2 MiB pages in a thread (a decode step reads them all; see `huge_pages`): steps run
-    # meanwhile, a little slower until it is done. `huge_page_bytes` is None until then.
+    # The weights move onto 2 MiB pages in a thread (a decode step reads them all; see `huge_pages`), started when
+    # the first step has run: moving them while the first programs compile (the background decode step, the first
+    # prefill) made a hybrid model's load and first call 1.2-2 s slower on two cores. Steps run meanwhile, a little
+    # slower until it is done. `huge_page_bytes` is None until then.
     self.huge_page_bytes: int | None = None
     self._huge_pages: threading.Thread | None = None
-    if cfg.huge_page_weights and jax.default_backend() == "cpu":
-      self._huge_pages = threading.Thread(
-          target=self._collapse_weights,
-          args=(huge_pages.buffer_ranges(self._state_leaves),),
-          name="maxtext-huge-pages",
-          daemon=True,  # only system calls: a process may exit while it runs
-      )
-      self._huge_pages.start()
+    self._huge_pages_pending = bool(cfg.huge_page_weights) and jax.default_backend() == "cpu"
+
+  def _start_huge_pages(self) -> None:
+    """Starts moving the weights onto huge pages in a thread, once (`huge_page_weights`)."""
+    if not self._huge_pages_pending:
+      return
+    self._huge_pages_pending = False
+    self._huge_pages = threading.Thread(
+        target=self._collapse_weights,
+        args=(huge_pages.buffer_ranges(self._state_leaves),),
+        name="maxtext-huge-pages",
+        daemon=True,  # only system calls: a process may exit while it runs
+    )
+    self._huge_pages.start()
 
   def _collapse_weights(self, ranges: Sequence[tuple[int, int]]) -> None:
     """Backs the weights' buffers (`ranges`) with huge pages; sets `huge_page_bytes`. Failures only log."""
@@ -477,6 +485,7 @@ class LLMEngine:
       for rid, row in zip(out.sampling_request_ids, rows):
         sampled[rid] = int(token_ids[row])
     self.last_sampled = sampled
+    self._start_huge_pages()  # after the first step: its programs are compiled
     finished = self.scheduler.update_from_output(out, sampled)
     self.stats.steps += 1
     self.stats.scheduled_tokens += out.num_scheduled_tokens

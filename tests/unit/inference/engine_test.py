@@ -324,10 +324,13 @@ def test_dummy_weights_start_no_background_compile():
 
 
 def test_huge_page_weights_moves_the_weights_in_a_thread_and_keeps_the_tokens():
+  """The move starts after the first step (not while the first programs compile) and keeps the tokens."""
   prompt, params = _prompts(2, [6])[0], SamplingParams(max_tokens=4, temperature=0.0)
   tokens = {}
   for on in (True, False):
     engine = _engine("qwen3-next-tiny", huge_page_weights=on)
+    assert engine._huge_pages is None and engine.huge_page_bytes is None  # pylint: disable=protected-access
+    tokens[on] = _alone(engine, prompt, params)
     if on:
       engine._huge_pages.join()  # pylint: disable=protected-access
       weight_bytes = sum(size for _, size in huge_pages.buffer_ranges(engine._state_leaves))  # pylint: disable=protected-access
@@ -337,7 +340,6 @@ def test_huge_page_weights_moves_the_weights_in_a_thread_and_keeps_the_tokens():
         assert engine.huge_page_bytes == 0
     else:
       assert engine._huge_pages is None and engine.huge_page_bytes is None  # pylint: disable=protected-access
-    tokens[on] = _alone(engine, prompt, params)
   assert tokens[True] == tokens[False] and len(tokens[True]) == 4
 
 
@@ -348,6 +350,7 @@ def test_huge_page_weights_failure_only_logs(monkeypatch, caplog):
   monkeypatch.setattr(huge_pages, "collapse", broken)
   with caplog.at_level(logging.WARNING, logger="maxtext.inference.engine"):
     engine = _engine("qwen3-next-tiny", huge_page_weights=True)
+    _alone(engine, [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
     engine._huge_pages.join()  # pylint: disable=protected-access
   assert engine.huge_page_bytes == 0
   assert "moving the weights onto huge pages failed (they stay where they are): no madvise for" in caplog.text

@@ -360,7 +360,7 @@ class LLMEngine:
 
   def _is_small(self, batch: BatchInputs) -> bool:
     """Whether the step runs the small-batch programs (the CPU kernel's 1-8 tokens)."""
-    return self.use_cpu_gemm and batch.padded_num_tokens <= cpu_gemm.MAX_ROWS
+    return self.use_cpu_gemm and cpu_gemm.small_batch_program(batch.padded_num_tokens)
 
   def _wait_for_background_compile(self, batch: BatchInputs) -> None:
     """Before a greedy step of the background program's token bucket, waits until that program is compiled."""

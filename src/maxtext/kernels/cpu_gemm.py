@@ -210,6 +210,12 @@ def active() -> bool:
   return _ENABLED.get()
 
 
+def small_batch_program(num_tokens: int) -> bool:
+  """Whether the engine compiles a step of `num_tokens` (padded) tokens with `small_batch_compiler_options` when the
+  kernel serves it: 1 to `MAX_ROWS`. Code whose best form depends on YNNPACK's fusions asks it too."""
+  return 1 <= num_tokens <= MAX_ROWS
+
+
 def applies(rows: int, *dtypes: jnp.dtype) -> bool:
   """Whether a product of `rows` rows with these operand dtypes should use the kernel at this trace point.
 

@@ -96,7 +96,7 @@ def ragged_conv1d(
   from_x, from_state, in_chunk = rows_before(tokens + 1, layout.request_ids, width)  # [T, K, C] each
   window = jnp.where(in_chunk[..., None], from_x.astype(jnp.float32), from_state.astype(jnp.float32))
   taps = weight[:, 0, :].astype(jnp.float32)  # [C, K]
-  if num_tokens <= cpu_gemm.MAX_ROWS and cpu_gemm.active():
+  if cpu_gemm.active() and cpu_gemm.small_batch_program(num_tokens):
     # A decode program the engine compiles without YNNPACK's fusions (`cpu_gemm.small_batch_compiler_options`):
     # a product and a sum over the K taps, one fused loop of XLA's (about 6 us per layer for one token, where the
     # einsum's dot and the transpose of the taps before it took about 16 us).

@@ -7,7 +7,8 @@ of a vector register, one row as one front-to-back stream per slice of the matri
 between the calling thread and the library's helper threads (`cpu/parallel.h`). Routed experts
 have a third product, `expert_matmul`: each (token, choice) row times its expert's matrix, read where it lies in
 the stacked `[E, K, N]` weights (XLA copies a matrix it slices out of them before multiplying). `matmuls` runs
-several products of one input (a block's projections, through `linears.project`) in one call. The NN products also
+several products of one input (a block's projections, through `linears.project`) in one call, and
+`expert_matmuls` several expert products of one routing (an expert's gate and up). The NN products also
 take a weight in column panels (`to_panels`, `[N / PANEL, K, PANEL]`, how the engine stores its dense kernels:
 `linears.use_panels`), read a panel at a time at any number of rows, a prefill's included.
 
@@ -20,7 +21,7 @@ compiler and JAX's FFI headers, then registers its handlers with XLA. Without a 
 when the build fails, `load()` says why once in the log and XLA's dot is used: the kernel is an optimisation, never a
 requirement.
 
-Model code calls `matmul` / `matmuls` / `matmul_transposed` / `expert_matmul` only inside `enabled()` (the engine
+Model code calls `matmul` / `matmuls` / `matmul_transposed` / `expert_matmul(s)` only inside `enabled()` (the engine
 turns it on while it traces its step programs on a single CPU device); everywhere else, and on other backends, the
 products stay XLA dots.
 """
@@ -64,6 +65,7 @@ TARGETS = {
     "nt": ("maxtext_small_gemm_nt", "MaxtextSmallGemmNT"),
     "nn_many": ("maxtext_small_gemm_nn_many", "MaxtextSmallGemmNNMany"),
     "experts": ("maxtext_expert_gemm", "MaxtextExpertGemm"),
+    "experts_many": ("maxtext_expert_gemm_many", "MaxtextExpertGemmMany"),
     "attention": ("maxtext_paged_attention", "MaxtextPagedAttention"),  # served by cpu_attention.py
     "gated_delta": ("maxtext_gated_delta", "MaxtextGatedDelta"),  # served by cpu_gated_delta.py
 }
@@ -397,6 +399,43 @@ def expert_matmul(x: jax.Array, w: jax.Array, experts: jax.Array) -> jax.Array:
   Raises:
     ValueError: the operands are not float32 `[R, K]`, `[E, K, N]` and int32 `[R]`.
   """
+  _check_experts(x, w, experts)
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
+  return jax.ffi.ffi_call(TARGETS["experts"][0], out)(x, w, experts)
+
+
+def expert_matmuls(x: jax.Array, ws: Sequence[jax.Array], experts: jax.Array) -> tuple[jax.Array, ...]:
+  """`expert_matmul(x, w, experts)` for every `w` in `ws`, by the kernel in one call (call `load()` first).
+
+  A routed expert's gate and up read the same rows with the same routing: one call groups the rows by expert once
+  and shares the threads' hand-over between both products. Each result equals `expert_matmul`'s bit for bit.
+
+  Args:
+    x: `[R, K]` float32.
+    ws: one or more `[E, K, N_i]` float32, the same E.
+    experts: `[R]` int32 expert ids in `[0, E)` (an id outside fails the program's execution).
+
+  Returns:
+    One `[R, N_i]` float32 per `w`.
+
+  Raises:
+    ValueError: `ws` is empty, the `w` disagree on E, or an operand fails `expert_matmul`'s checks (the message
+      names which `w`).
+  """
+  if not ws:
+    raise ValueError("expert matmuls takes one or more w, got none")
+  for i, w in enumerate(ws):
+    try:
+      _check_experts(x, w, experts)
+    except ValueError as e:
+      raise ValueError(f"ws[{i}]: {e}") from None
+    if w.shape[0] != ws[0].shape[0]:
+      raise ValueError(f"expert matmuls takes w of one expert count; ws[0] has {ws[0].shape[0]}, ws[{i}] {w.shape[0]}")
+  out = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32) for w in ws)
+  return tuple(jax.ffi.ffi_call(TARGETS["experts_many"][0], out)(x, experts, *ws))
+
+
+def _check_experts(x: jax.Array, w: jax.Array, experts: jax.Array) -> None:
   if x.ndim != 2 or w.ndim != 3 or experts.shape != (x.shape[0],) or x.shape[1] != w.shape[1]:
     raise ValueError(
         f"expert matmul takes x [R, K], w [E, K, N] and experts [R]; got x {x.shape}, w {w.shape}, experts"
@@ -406,5 +445,3 @@ def expert_matmul(x: jax.Array, w: jax.Array, experts: jax.Array) -> jax.Array:
     raise ValueError(
         f"expert matmul takes float32 x and w and int32 experts; got {x.dtype}, {w.dtype} and {experts.dtype}"
     )
-  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
-  return jax.ffi.ffi_call(TARGETS["experts"][0], out)(x, w, experts)

@@ -189,8 +189,8 @@ def experts_cpu_rows(
   num_tokens, top_k = indices.shape
   expert_of_row = indices.reshape(-1).astype(jnp.int32)  # flat row t * k + j
   rows = jnp.repeat(x.astype(dtype), top_k, axis=0)  # [T * k, D]
-  gate = add_bias(cpu_gemm.expert_matmul(rows, w_gate.astype(dtype), expert_of_row), b_gate, expert_of_row, dtype)
-  up = add_bias(cpu_gemm.expert_matmul(rows, w_up.astype(dtype), expert_of_row), b_up, expert_of_row, dtype)
+  gate, up = cpu_gemm.expert_matmuls(rows, (w_gate.astype(dtype), w_up.astype(dtype)), expert_of_row)  # one call
+  gate, up = add_bias(gate, b_gate, expert_of_row, dtype), add_bias(up, b_up, expert_of_row, dtype)
   hidden = gated(gate, up, activation, glu)  # [T * k, F]
   y = add_bias(cpu_gemm.expert_matmul(hidden, w_down.astype(dtype), expert_of_row), b_down, expert_of_row, dtype)
   return jnp.einsum("tk,tkd->td", weights.astype(dtype), y.reshape(num_tokens, top_k, -1))

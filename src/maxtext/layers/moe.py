@@ -114,10 +114,11 @@ class MoE(nnx.Module):
     backend = default_backend() if backend is None else backend
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-    weights, indices = route(self.router(flat), top_k=self.top_k, normalize=self.normalize_top_k)
-    if self.shared is not None:  # its gate, up and sigmoid gate read `flat` too: one `project` call
-      layers = [self.shared.gate, self.shared.up] + ([self.shared_gate] if self.shared_gate is not None else [])
-      shared_inputs = project(flat, layers)
+    layers = [self.router]
+    if self.shared is not None:  # its gate, up and sigmoid gate read `flat` too: one `project` call with the router
+      layers += [self.shared.gate, self.shared.up] + ([self.shared_gate] if self.shared_gate is not None else [])
+    router_logits, *shared_inputs = project(flat, layers)
+    weights, indices = route(router_logits, top_k=self.top_k, normalize=self.normalize_top_k)
     y = backend.moe_experts(
         flat,
         weights,

@@ -450,6 +450,48 @@ def test_expert_matmul_rejects_what_the_kernel_cannot_take(x, w, experts, match)
     cpu_gemm.expert_matmul(x, w, experts)
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows, num_experts, k, n, experts", _EXPERT_CASES)
+def test_expert_matmuls_match_float64_and_each_product_alone(rows, num_experts, k, n, experts):
+  """Two products of one routing in one call (a second N of a different width): each equals `expert_matmul`'s
+  result bit for bit and the float64 product within the kernel's tolerance."""
+  assert cpu_gemm.load()
+  rng = np.random.default_rng(rows * 100 + k + 1)
+  x = rng.standard_normal((rows, k)).astype(np.float32)
+  ws = (
+      rng.standard_normal((num_experts, k, n)).astype(np.float32),
+      rng.standard_normal((num_experts, k, n // 2 + 3)).astype(np.float32),
+  )
+  ids = np.asarray(experts if experts is not None else rng.integers(0, num_experts, rows), np.int32)
+  got = jax.jit(cpu_gemm.expert_matmuls)(x, ws, ids)
+  assert len(got) == 2
+  for w, y in zip(ws, got):
+    np.testing.assert_array_equal(y, jax.jit(cpu_gemm.expert_matmul)(x, w, ids))
+    _close(y, _expert_reference(x, w, ids))
+
+
+@needs_kernel
+def test_expert_matmuls_fail_the_program_on_an_expert_id_out_of_range():
+  assert cpu_gemm.load()
+  x, w = np.ones((2, 8), np.float32), np.ones((3, 8, 4), np.float32)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"expert id is outside \[0, E\)"):
+    jax.block_until_ready(jax.jit(cpu_gemm.expert_matmuls)(x, (w, w), np.asarray([0, 3], np.int32)))
+
+
+@pytest.mark.parametrize(
+    "ws, match",
+    [
+        ((), r"one or more w, got none"),
+        ((jnp.zeros((3, 4, 6)), jnp.zeros((3, 5, 6))), r"ws\[1\]: .*got x \(2, 4\), w \(3, 5, 6\)"),
+        ((jnp.zeros((3, 4, 6)), jnp.zeros((3, 4, 6), jnp.bfloat16)), r"ws\[1\]: .*got float32, bfloat16 and int32"),
+        ((jnp.zeros((3, 4, 6)), jnp.zeros((5, 4, 6))), r"one expert count; ws\[0\] has 3, ws\[1\] 5"),
+    ],
+)
+def test_expert_matmuls_reject_what_the_kernel_cannot_take(ws, match):
+  with pytest.raises(ValueError, match=match):
+    cpu_gemm.expert_matmuls(jnp.zeros((2, 4)), ws, jnp.zeros((2,), jnp.int32))
+
+
 def test_to_panels_puts_columns_in_contiguous_panels():
   """Panel t holds columns [32 t, 32 t + 32) row by row, built here by NumPy slicing."""
   w = np.arange(5 * 96, dtype=np.float32).reshape(5, 96)

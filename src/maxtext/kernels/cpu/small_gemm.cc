@@ -14,6 +14,7 @@
 // and for routed experts
 //
 //   maxtext_expert_gemm:   y[r] = x[r] @ w[experts[r]]  (w [E, K, N], one matrix per expert, read where it lies)
+//   maxtext_expert_gemm_many: y_i[r] = x[r] @ w_i[experts[r]] for several w_i  (an expert's gate and up in one call)
 //
 // for any number of rows, grouped by expert into chunks of up to 8 (one read of the matrix per chunk). A product is
 // cut into tasks (ranges of columns, or slices of whole rows of w, each a contiguous stretch of memory) shared by
@@ -612,26 +613,18 @@ ffi::Error SmallGemmNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
   return ffi::Error::Success();
 }
 
-// y[r] = x[r] @ w[experts[r]] for r in [0, R): x [R, K], w [E, K, N] (one [K, N] matrix per expert, read in
-// place), experts [R] int32 in [0, E). The rows are grouped by expert in row order and each group is cut into
-// chunks of up to 8 rows, so a chunk reads its expert's matrix once: a single row as a matrix-vector product, more
-// in the lanes like the NN kernel. Columns are split into blocks only past the lanes' buffer; when there are few
-// chunks, the rows of w are split into slices, so both threads have work. Slices are added in a fixed order, so a
-// result does not depend on the threads.
-ffi::Error ExpertGemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  auto ed = experts.dimensions();
-  auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || ed.size() != 1 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument("expert_gemm: x, y must be 2-D, w 3-D and experts 1-D");
-  }
-  const int64_t num_rows = xd[0], k = xd[1], num_experts = wd[0], n = wd[2];
-  if (wd[1] != k || ed[0] != num_rows || yd[0] != num_rows || yd[1] != n) {
-    return ffi::Error::InvalidArgument("expert_gemm: the shapes of x, w, experts and y do not match");
-  }
-  const int32_t* expert = experts.typed_data();
+// The rows of an expert product grouped by expert: `order` lists the rows of each expert in row order, expert after
+// expert, and each expert's run is cut into chunks of up to 8 rows (a chunk reads its expert's matrix once).
+struct ExpertChunks {
+  struct Chunk {
+    int64_t expert, begin, size;  // rows order[begin, begin + size) of this expert
+  };
+  std::vector<int64_t> order;
+  std::vector<Chunk> chunks;
+};
+
+// Groups rows [0, num_rows) by their expert ids (`expert`, each checked to lie in [0, num_experts)).
+ffi::Error GroupByExpert(const int32_t* expert, int64_t num_rows, int64_t num_experts, ExpertChunks* groups) {
   std::vector<int64_t> count(num_experts + 1, 0);
   for (int64_t r = 0; r < num_rows; ++r) {
     if (expert[r] < 0 || expert[r] >= num_experts) {
@@ -640,68 +633,161 @@ ffi::Error ExpertGemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
     ++count[expert[r] + 1];
   }
   for (int64_t e = 0; e < num_experts; ++e) count[e + 1] += count[e];  // start of each expert's rows
-  struct Chunk {
-    int64_t expert, begin, size;  // rows order[begin, begin + size) of this expert
-  };
-  auto order = std::make_shared<std::vector<int64_t>>(num_rows);
-  {
-    std::vector<int64_t> next(count.begin(), count.end() - 1);
-    for (int64_t r = 0; r < num_rows; ++r) (*order)[next[expert[r]]++] = r;
-  }
-  auto chunks = std::make_shared<std::vector<Chunk>>();
+  groups->order.assign(num_rows, 0);
+  std::vector<int64_t> next(count.begin(), count.end() - 1);
+  for (int64_t r = 0; r < num_rows; ++r) groups->order[next[expert[r]]++] = r;
   for (int64_t e = 0; e < num_experts; ++e) {
     for (int64_t b = count[e]; b < count[e + 1]; b += kLanes) {
-      chunks->push_back({e, b, std::min<int64_t>(kLanes, count[e + 1] - b)});
+      groups->chunks.push_back({e, b, std::min<int64_t>(kLanes, count[e + 1] - b)});
     }
   }
-  const int64_t num_chunks = static_cast<int64_t>(chunks->size());
-  // Tasks: chunk x block of columns (blocks only when N exceeds the lanes' buffer) x slice of the rows of w (when
-  // there are fewer than kMinExpertTasks chunk-blocks, so both threads have work; a slice is contiguous memory).
-  const int64_t col_blocks = (n + kMaxChunkNN - 1) / kMaxChunkNN;
-  const int64_t width = ((n + col_blocks - 1) / col_blocks + 7) / 8 * 8;
-  const int64_t units = num_chunks * col_blocks;
-  const int64_t slices =
-      std::clamp<int64_t>((kMinExpertTasks + units - 1) / units, 1, std::max<int64_t>(1, k / kMinExpertSlice));
-  const int64_t slice_rows = (k / slices + 7) / 8 * 8;
-  // With slices, each task sums into its own buffer [width][8]; they are added in slice order afterwards.
-  auto partial = std::make_shared<std::vector<float>>(slices > 1 ? units * slices * width * kLanes + kLanes : 0);
-  float* partial_base = slices > 1 ? Align32(partial->data()) : nullptr;
-  const float* xs = x.typed_data();
-  const float* ws = w.typed_data();
-  float* ys = y->typed_data();
-  ParallelChunks(units * slices, [=](int64_t task) {
-    const int64_t unit = task / slices, slice = task % slices;
-    const Chunk& c = (*chunks)[unit / col_blocks];
-    const int64_t n0 = (unit % col_blocks) * width, n1 = std::min(n, n0 + width);
-    const int64_t k0 = std::min(k, slice * slice_rows), k1 = slice == slices - 1 ? k : std::min(k, k0 + slice_rows);
-    const float* we = ws + c.expert * k * n;
-    const int64_t* rows = order->data() + c.begin;
+  return ffi::Error::Success();
+}
+
+// y[r] = x[r] @ w[experts[r]] for r in [0, R): x [R, K], w [E, K, N] (one [K, N] matrix per expert, read in
+// place), the rows grouped by `groups`. A chunk of one row is a matrix-vector product, more go in the lanes like the
+// NN kernel. Columns are split into blocks only past the lanes' buffer; when there are few chunks, the rows of w are
+// split into slices, so both threads have work. Cut into tasks like NNProduct: `Run(task)` for task in [0, tasks())
+// on any thread, then `Finish()` on the calling thread. Slices are added in a fixed order, so a result does not
+// depend on the threads.
+class ExpertProduct {
+ public:
+  ExpertProduct(const ExpertChunks* groups, const float* x, int64_t k, const float* w, int64_t n, float* y)
+      : groups_(groups), x_(x), k_(k), w_(w), n_(n), y_(y) {
+    // Tasks: chunk x block of columns (blocks only when N exceeds the lanes' buffer) x slice of the rows of w (when
+    // there are fewer than kMinExpertTasks chunk-blocks; a slice is contiguous memory).
+    col_blocks_ = (n + kMaxChunkNN - 1) / kMaxChunkNN;
+    width_ = ((n + col_blocks_ - 1) / col_blocks_ + 7) / 8 * 8;
+    units_ = static_cast<int64_t>(groups->chunks.size()) * col_blocks_;
+    slices_ = units_ == 0 ? 1
+                          : std::clamp<int64_t>((kMinExpertTasks + units_ - 1) / units_, 1,
+                                                std::max<int64_t>(1, k / kMinExpertSlice));
+    slice_rows_ = (k / slices_ + 7) / 8 * 8;
+    // With slices, each task sums into its own buffer [width][8]; they are added in slice order by Finish.
+    if (slices_ > 1) {
+      partial_.assign(units_ * slices_ * width_ * kLanes + kLanes, 0.0f);
+      partial_base_ = Align32(partial_.data());
+    }
+  }
+  ExpertProduct(const ExpertProduct&) = delete;
+  ExpertProduct& operator=(const ExpertProduct&) = delete;
+
+  int64_t tasks() const { return units_ * slices_; }
+
+  void Run(int64_t task) const {
+    const int64_t unit = task / slices_, slice = task % slices_;
+    const ExpertChunks::Chunk& c = groups_->chunks[unit / col_blocks_];
+    const int64_t n0 = (unit % col_blocks_) * width_, n1 = std::min(n_, n0 + width_);
+    const int64_t k0 = std::min(k_, slice * slice_rows_);
+    const int64_t k1 = slice == slices_ - 1 ? k_ : std::min(k_, k0 + slice_rows_);
+    const float* we = w_ + c.expert * k_ * n_;
+    const int64_t* rows = groups_->order.data() + c.begin;
     alignas(32) float local[kMaxChunkNN * kLanes];
-    float* acc = slices > 1 ? partial_base + task * width * kLanes : local;
+    float* acc = slices_ > 1 ? partial_base_ + task * width_ * kLanes : local;
     if (c.size == 1) {
-      if (slices == 1) acc = ys + rows[0] * n + n0;  // one row sums straight into y
+      if (slices_ == 1) acc = y_ + rows[0] * n_ + n0;  // one row sums straight into y
       std::memset(acc, 0, sizeof(float) * (n1 - n0));
-      RowAccumulate(xs + rows[0] * k, we, acc, k0, k1, n, n0, n1);
+      RowAccumulate(x_ + rows[0] * k_, we, acc, k0, k1, n_, n0, n1);
       return;
     }
-    AlignedRows xt(xs, rows, c.size, k);
+    AlignedRows xt(x_, rows, c.size, k_);
     std::memset(acc, 0, sizeof(float) * (n1 - n0) * kLanes);
-    NNAccumulate(xt.data(), we, acc, k0, k1, n, n0, n1);
-    if (slices == 1) NNStore(acc, ys, c.size, n, n0, n1, rows);
-  });
-  if (slices == 1) return ffi::Error::Success();
-  for (int64_t unit = 0; unit < units; ++unit) {
-    const Chunk& c = (*chunks)[unit / col_blocks];
-    const int64_t n0 = (unit % col_blocks) * width, n1 = std::min(n, n0 + width);
-    const int64_t* rows = order->data() + c.begin;
-    float* sum = partial_base + unit * slices * width * kLanes;
-    AddSlices(sum, slices, width * kLanes, c.size == 1 ? n1 - n0 : (n1 - n0) * kLanes);
-    if (c.size == 1) {
-      std::memcpy(ys + rows[0] * n + n0, sum, sizeof(float) * (n1 - n0));
-    } else {
-      NNStore(sum, ys, c.size, n, n0, n1, rows);
+    NNAccumulate(xt.data(), we, acc, k0, k1, n_, n0, n1);
+    if (slices_ == 1) NNStore(acc, y_, c.size, n_, n0, n1, rows);
+  }
+
+  void Finish() const {
+    if (slices_ == 1) return;
+    for (int64_t unit = 0; unit < units_; ++unit) {
+      const ExpertChunks::Chunk& c = groups_->chunks[unit / col_blocks_];
+      const int64_t n0 = (unit % col_blocks_) * width_, n1 = std::min(n_, n0 + width_);
+      const int64_t* rows = groups_->order.data() + c.begin;
+      float* sum = partial_base_ + unit * slices_ * width_ * kLanes;
+      AddSlices(sum, slices_, width_ * kLanes, c.size == 1 ? n1 - n0 : (n1 - n0) * kLanes);
+      if (c.size == 1) {
+        std::memcpy(y_ + rows[0] * n_ + n0, sum, sizeof(float) * (n1 - n0));
+      } else {
+        NNStore(sum, y_, c.size, n_, n0, n1, rows);
+      }
     }
   }
+
+ private:
+  const ExpertChunks* groups_;
+  const float* x_;
+  int64_t k_;
+  const float* w_;
+  int64_t n_;
+  float* y_;
+  int64_t col_blocks_ = 1, width_ = 0, units_ = 0, slices_ = 1, slice_rows_ = 0;
+  std::vector<float> partial_;
+  float* partial_base_ = nullptr;
+};
+
+// Checks one expert product's shapes: x [R, K], w [E, K, N], experts [R], y [R, N] (E = num_experts when given).
+ffi::Error CheckExpertShapes(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w, ffi::Buffer<ffi::S32>& experts,
+                             ffi::ResultBuffer<ffi::F32>& y, int64_t num_experts) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto ed = experts.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || ed.size() != 1 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("expert_gemm: x, y must be 2-D, w 3-D and experts 1-D");
+  }
+  if (wd[1] != xd[1] || ed[0] != xd[0] || yd[0] != xd[0] || yd[1] != wd[2] || (num_experts >= 0 && wd[0] != num_experts)) {
+    return ffi::Error::InvalidArgument("expert_gemm: the shapes of x, w, experts and y do not match");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ExpertGemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y) {
+  if (ffi::Error error = CheckExpertShapes(x, w, experts, y, -1); error.failure()) return error;
+  ExpertChunks groups;
+  if (ffi::Error error = GroupByExpert(experts.typed_data(), x.dimensions()[0], w.dimensions()[0], &groups);
+      error.failure()) {
+    return error;
+  }
+  const ExpertProduct product(&groups, x.typed_data(), x.dimensions()[1], w.typed_data(), w.dimensions()[2],
+                              y->typed_data());
+  ParallelChunks(product.tasks(), [&product](int64_t task) { product.Run(task); });
+  product.Finish();
+  return ffi::Error::Success();
+}
+
+// Several expert products of one x and one routing: y_i[r] = x[r] @ w_i[experts[r]] (w_i [E, K, N_i], the same E),
+// all of their tasks in one parallel call, so an expert's gate and up cost one call. Each y_i is computed exactly as
+// ExpertGemm computes it alone.
+ffi::Error ExpertGemmMany(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> experts, ffi::RemainingArgs ws,
+                          ffi::RemainingRets ys) {
+  if (ws.size() == 0 || ws.size() != ys.size()) {
+    return ffi::Error::InvalidArgument("expert_gemm_many: takes x, experts, one or more w and as many results");
+  }
+  std::vector<std::unique_ptr<ExpertProduct>> products;
+  std::vector<int64_t> first_task = {0};
+  ExpertChunks groups;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (w.has_error()) return w.error();
+    if (y.has_error()) return y.error();
+    const int64_t num_experts = i == 0 ? -1 : ws.get<ffi::Buffer<ffi::F32>>(0)->dimensions()[0];
+    if (ffi::Error error = CheckExpertShapes(x, *w, experts, *y, num_experts); error.failure()) return error;
+    if (i == 0) {
+      if (ffi::Error error = GroupByExpert(experts.typed_data(), x.dimensions()[0], w->dimensions()[0], &groups);
+          error.failure()) {
+        return error;
+      }
+    }
+    products.push_back(std::make_unique<ExpertProduct>(&groups, x.typed_data(), x.dimensions()[1], w->typed_data(),
+                                                       w->dimensions()[2], (*y)->typed_data()));
+    first_task.push_back(first_task.back() + products.back()->tasks());
+  }
+  ParallelChunks(first_task.back(), [&products, &first_task](int64_t task) {
+    const int64_t i = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+    products[i]->Run(task - first_task[i]);
+  });
+  for (const auto& product : products) product->Finish();
   return ffi::Error::Success();
 }
 
@@ -724,3 +810,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextExpertGemm, ExpertGemm,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaxtextExpertGemmMany, ExpertGemmMany,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());

@@ -82,17 +82,27 @@ def gated_delta(
       "distribution": (3,),
       "states": (states.shape[0] if states.ndim == 4 else -1, heads, key_dim, value_dim),
   }
-  given = dict(zip(expected, (q, k, v, beta, decay, query_start_loc, read, write, distribution, states)))
-  for name, array in given.items():
-    if tuple(array.shape) != expected[name]:
-      raise ValueError(
-          f"gated delta: {name} has shape {tuple(array.shape)}, expected {expected[name]} (from q {q.shape}, v"
-          f" {v.shape} and read {read.shape})"
-      )
-    want = jnp.int32 if name in ("query_start_loc", "read", "write", "distribution") else jnp.float32
-    if array.dtype != want:
-      raise ValueError(f"gated delta takes float32 values and int32 metadata; {name} is {array.dtype}")
+  operands = (q, k, v, beta, decay, query_start_loc, read, write, distribution, states)
+  check_operands("gated delta", expected, operands, f"from q {q.shape}, v {v.shape} and read {read.shape}")
   out = jax.ShapeDtypeStruct((num_tokens, heads, value_dim), jnp.float32)
   new_states = jax.ShapeDtypeStruct(states.shape, jnp.float32)
   call = jax.ffi.ffi_call(cpu_gemm.TARGETS["gated_delta"][0], (out, new_states), input_output_aliases={9: 1})
-  return tuple(call(q, k, v, beta, decay, query_start_loc, read, write, distribution, states))
+  return tuple(call(*operands))
+
+
+_METADATA = ("query_start_loc", "read", "write", "distribution")
+
+
+def check_operands(kernel: str, expected: dict[str, tuple[int, ...]], operands: tuple, source: str) -> None:
+  """Checks a recurrent kernel's operands, given in the order of `expected` (name -> shape): each has its shape,
+  the ragged metadata (`query_start_loc`, `read`, `write`, `distribution`) int32 and the others float32.
+
+  Raises:
+    ValueError: naming the kernel, the operand, its shape or dtype and what was expected (`source`: the operands
+      the expected shapes come from).
+  """
+  for (name, shape), array in zip(expected.items(), operands):
+    if tuple(array.shape) != shape:
+      raise ValueError(f"{kernel}: {name} has shape {tuple(array.shape)}, expected {shape} ({source})")
+    if array.dtype != (jnp.int32 if name in _METADATA else jnp.float32):
+      raise ValueError(f"{kernel} takes float32 values and int32 metadata; {name} is {array.dtype}")

@@ -13,7 +13,8 @@ take a weight in column panels (`to_panels`, `[N / PANEL, K, PANEL]`, how the en
 `linears.use_panels`), read a panel at a time at any number of rows, a prefill's included.
 
 The same library holds the paged attention handler (`cpu/paged_attention.cc`), which `cpu_attention.py` serves,
-and the gated delta rule's recurrence (`cpu/gated_delta.cc`), which `cpu_gated_delta.py` serves.
+the gated delta rule's recurrence (`cpu/gated_delta.cc`), which `cpu_gated_delta.py` serves, and Mamba2's
+(`cpu/mamba2.cc`), which `cpu_mamba2.py` serves; both run on `cpu/ragged_state.h`.
 
 The kernel is C++ shipped as source: `load()` compiles it once per source, JAX version and compiler into
 `kernels/` under this package's cache folder (`$MAXTEXT_CACHE_DIR`, else `~/.cache/maxtext`) with the system C++
@@ -50,8 +51,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
 # One library; the headers are shared.
-SOURCES = (SOURCE_DIR / "small_gemm.cc", SOURCE_DIR / "paged_attention.cc", SOURCE_DIR / "gated_delta.cc")
-HEADERS = (SOURCE_DIR / "parallel.h", SOURCE_DIR / "simd.h")
+SOURCES = tuple(SOURCE_DIR / name for name in ("small_gemm.cc", "paged_attention.cc", "gated_delta.cc", "mamba2.cc"))
+HEADERS = (SOURCE_DIR / "parallel.h", SOURCE_DIR / "simd.h", SOURCE_DIR / "ragged_state.h")
 # Rows of x the small-batch products take (one row is a matrix-vector product); steps of up to this many tokens
 # compile without YNNPACK's fusions (`small_batch_compiler_options`).
 MAX_ROWS = 8
@@ -68,6 +69,7 @@ TARGETS = {
     "experts_many": ("maxtext_expert_gemm_many", "MaxtextExpertGemmMany"),
     "attention": ("maxtext_paged_attention", "MaxtextPagedAttention"),  # served by cpu_attention.py
     "gated_delta": ("maxtext_gated_delta", "MaxtextGatedDelta"),  # served by cpu_gated_delta.py
+    "mamba2": ("maxtext_mamba2", "MaxtextMamba2"),  # served by cpu_mamba2.py
 }
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 _ENABLED = contextvars.ContextVar("maxtext_cpu_gemm_enabled", default=False)

@@ -133,9 +133,9 @@ def ragged_gated_delta_rule(
   if cpu_gated_delta.applies(qf.dtype, vf.dtype, recurrent_state.dtype):
     # The CPU kernel runs the recurrence of every request on its state slot, in place (no loop over tokens or
     # conditional in XLA).
-    layout = ragged_batch.token_layout(q.shape[0], query_start_loc, distribution)
-    has_init = ragged_batch.has_initial_state(layout, seq_lens, read_state_indices)
-    read = state_indices if read_state_indices is None else read_state_indices
+    read, write = ragged_batch.kernel_state_slots(
+        q.shape[0], state_indices, query_start_loc, seq_lens, distribution, read_state_indices
+    )
     out, new_state = cpu_gated_delta.gated_delta(
         qf,
         kf,
@@ -143,8 +143,8 @@ def ragged_gated_delta_rule(
         beta,
         decay,
         query_start_loc.astype(jnp.int32),
-        jnp.where(has_init, read.astype(jnp.int32), -1),
-        state_indices.astype(jnp.int32),
+        read,
+        write,
         distribution.astype(jnp.int32),
         recurrent_state,
     )

@@ -11,32 +11,22 @@
 // request writes: per token two passes over the state (k^T S and q^T S, then the update), nothing else.
 //
 // Inputs: q, k [T, H, dk] (already L2-normalised, q scaled; one key head per value head), v [T, H, dv], beta and
-// e [T, H], query_start_loc [S + 1], read and write [S], distribution [3] (int32), states [M, H, dk, dv].
-// Request r < distribution[2] owns tokens [query_start_loc[r], query_start_loc[r + 1]) (clamped into [0, T)); it
-// starts from states[read[r]] when 0 <= read[r] < M, else from zeros, and its final state goes to states[write[r]]
-// when 0 <= write[r] < M (of two requests writing one slot, the later one's stays), else nowhere. Requests without
-// tokens read and write nothing; tokens of no request output zeros. Outputs: out [T, H, dv] and the states, which
-// alias the input states (the Python side passes input_output_aliases); should XLA hand a separate buffer, the
-// states are copied into it first. Every request reads the states as they were before the call, even a slot
-// another request writes.
+// e [T, H], query_start_loc [S + 1], read and write [S], distribution [3] (int32), states [M, H, dk, dv]; which
+// request owns which tokens and reads and writes which slot is ragged_state.h's. Outputs: out [T, H, dv] (tokens of
+// no request output zeros) and the states, in place.
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
-#include "parallel.h"
+#include "ragged_state.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-// Below this much work (tokens x heads x dk x dv) a call runs on the calling thread alone: waking a helper costs more
-// than the work.
-constexpr int64_t kMinParallelElements = int64_t{1} << 17;
 
 // One token of one head: reads S (null: zeros), writes out [dv] and the new state into `dst` (may be S itself).
 // ks and qs are scratch of dv floats each.
@@ -104,71 +94,18 @@ ffi::Error GatedDelta(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buf
         "gated_delta: the shapes of q, k, v, beta, e, query_start_loc, read, write, distribution, states do not "
         "match");
   }
-  float* dst = new_states->typed_data();
-  const float* src = states.typed_data();
-  const int64_t state_size = heads * dk * dv;
-  if (dst != src) std::memcpy(dst, src, sizeof(float) * states.element_count());
   float* op = out->typed_data();
   std::memset(op, 0, sizeof(float) * t_size * heads * dv);  // padding tokens
-  const int32_t* qsl = query_start_loc.typed_data();
-  const int32_t* rd = read.typed_data();
-  const int32_t* wr = write.typed_data();
-  const int64_t real = std::clamp<int64_t>(distribution.typed_data()[2], 0, requests);
-  auto valid = [slots](int32_t slot) { return slot >= 0 && slot < slots; };
-  // Request r's tokens [begin[r], end[r]), clamped into [0, T).
-  std::vector<int64_t> begin(real), end(real);
-  for (int64_t r = 0; r < real; ++r) {
-    begin[r] = std::clamp<int64_t>(qsl[r], 0, t_size);
-    end[r] = std::clamp<int64_t>(qsl[r + 1], begin[r], t_size);
-  }
-  // A request writes its slot if it has tokens and no later request writes the same slot (the last one stays).
-  std::vector<bool> writes(real, false);
-  for (int64_t r = 0; r < real; ++r) {
-    writes[r] = end[r] > begin[r] && valid(wr[r]);
-    for (int64_t u = r + 1; u < real && writes[r]; ++u) writes[r] = !(end[u] > begin[u] && wr[u] == wr[r]);
-  }
-  // A request reading a slot that another request writes reads a copy taken before any write.
-  std::vector<float> before;
-  std::vector<int64_t> before_of(real, -1);  // offset of request r's copy in `before`
-  for (int64_t r = 0; r < real; ++r) {
-    if (end[r] == begin[r] || !valid(rd[r])) continue;
-    for (int64_t u = 0; u < real; ++u) {
-      if (u != r && writes[u] && wr[u] == rd[r]) {
-        before_of[r] = static_cast<int64_t>(before.size());
-        before.insert(before.end(), dst + rd[r] * state_size, dst + (rd[r] + 1) * state_size);
-        break;
-      }
-    }
-  }
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   const float *bp = beta.typed_data(), *ep = decay.typed_data();
-  auto task = [&](int64_t c) {
-    const int64_t r = c / heads, h = c % heads;
-    if (end[r] == begin[r]) return;
-    const int64_t offset = h * dk * dv;
-    const float* s = nullptr;  // the state before the request's first token (null: zeros)
-    if (before_of[r] >= 0) {
-      s = before.data() + before_of[r] + offset;
-    } else if (valid(rd[r])) {
-      s = dst + rd[r] * state_size + offset;
-    }
-    // The running state: in the slot the request writes, else in a buffer of its own.
-    std::vector<float> scratch(2 * dv + (writes[r] ? 0 : dk * dv));
-    float* state = writes[r] ? dst + wr[r] * state_size + offset : scratch.data() + 2 * dv;
-    for (int64_t t = begin[r]; t < end[r]; ++t) {
-      const int64_t row = t * heads + h;
-      Update(qp + row * dk, kp + row * dk, vp + row * dv, bp[row], ep[row], t == begin[r] ? s : state, state,
-             op + row * dv, dk, dv, scratch.data(), scratch.data() + dv);
-    }
-  };
-  const int64_t tasks = real * heads;
-  // A task writes only its own (request, head) state, which no other task reads (those read the copies above), so
-  // the tasks run in any order.
-  if ((end.empty() ? 0 : end.back()) * heads * dk * dv < kMinParallelElements) {
-    for (int64_t c = 0; c < tasks; ++c) task(c);
-  } else {
-    maxtext_cpu::ParallelChunks(tasks, task);
-  }
+  maxtext_cpu::RunRaggedRecurrence(
+      t_size, heads, dk * dv, 2 * dv, slots, query_start_loc.typed_data(), read.typed_data(), write.typed_data(),
+      requests, distribution.typed_data()[2], states.typed_data(), new_states->typed_data(),
+      [=](int64_t t, int64_t h, const float* before, float* state, float* scratch) {
+        const int64_t row = t * heads + h;
+        Update(qp + row * dk, kp + row * dk, vp + row * dv, bp[row], ep[row], before, state, op + row * dv, dk, dv,
+               scratch, scratch + dv);
+      });
   return ffi::Error::Success();
 }
 

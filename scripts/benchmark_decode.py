@@ -24,7 +24,10 @@ reports their roofline share, the one a decode step reaches without the prefill.
 a lot from minute to minute on a shared host, so this package's worker also pairs its steps with their own moment:
 after each batch's timed calls it runs `--paired-rounds` rounds of a probe reading, one more call and another
 reading, and reports the median over the rounds of each round's decode-step share against the better of its two
-readings (`pair_rf`). Whether each peer's greedy tokens equal transformers' is reported too.
+readings (`pair_rf`). A run's highest reading can come from a moment of much higher bandwidth than any of its steps
+saw (one of four readings at 45-51 GB/s, the others at 30-34), which lowers `step_rf` for every model whatever the
+steps do; `pair_rf` is the share to judge a decode step by. Whether each peer's greedy tokens equal transformers' is
+reported too.
 
 This package's load + first call is measured twice: a cold start, whose compilation cache folder is empty, and a
 warm start (`wload_s`, `wfirst_s`), a second process over the folder the first one filled, as a second run of the

@@ -27,9 +27,9 @@ constexpr int64_t kMinParallelStateElements = int64_t{1} << 17;
 // Runs `step(t, h, before, state, scratch)` for every token t of every request and every head h < heads, in token
 // order per (request, head): `before` is the head's state before token t (null: zeros), `state` where the state
 // after it goes (`before` itself from the request's second token on), `scratch` `scratch_size` floats of the task's
-// own. A head's state is `head_size` floats at offset
-// h * head_size of a slot of heads * head_size floats; `states` [slots] of them, updated in place (`src` is the
-// input buffer, `dst` the result's, the same buffer when XLA aliased them).
+// own. A head's state is `head_size` floats at offset h * head_size of a slot of heads * head_size floats; `states`
+// [slots] of them, updated in place (`src` is the input buffer, `dst` the result's, the same buffer when XLA aliased
+// them).
 template <typename Step>
 void RunRaggedRecurrence(int64_t t_size, int64_t heads, int64_t head_size, int64_t scratch_size, int64_t slots,
                          const int32_t* query_start_loc, const int32_t* read, const int32_t* write, int64_t requests,

@@ -724,7 +724,7 @@ class ExpertProduct {
   float* partial_base_ = nullptr;
 };
 
-// Checks one expert product's shapes: x [R, K], w [E, K, N], experts [R], y [R, N] (E = num_experts when given).
+// Checks one expert product's shapes: x [R, K], w [E, K, N], experts [R], y [R, N] with E = num_experts.
 ffi::Error CheckExpertShapes(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w, ffi::Buffer<ffi::S32>& experts,
                              ffi::ResultBuffer<ffi::F32>& y, int64_t num_experts) {
   auto xd = x.dimensions();
@@ -734,53 +734,31 @@ ffi::Error CheckExpertShapes(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
   if (xd.size() != 2 || wd.size() != 3 || ed.size() != 1 || yd.size() != 2) {
     return ffi::Error::InvalidArgument("expert_gemm: x, y must be 2-D, w 3-D and experts 1-D");
   }
-  if (wd[1] != xd[1] || ed[0] != xd[0] || yd[0] != xd[0] || yd[1] != wd[2] || (num_experts >= 0 && wd[0] != num_experts)) {
+  if (wd[1] != xd[1] || ed[0] != xd[0] || yd[0] != xd[0] || yd[1] != wd[2] || wd[0] != num_experts) {
     return ffi::Error::InvalidArgument("expert_gemm: the shapes of x, w, experts and y do not match");
   }
   return ffi::Error::Success();
 }
 
-ffi::Error ExpertGemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y) {
-  if (ffi::Error error = CheckExpertShapes(x, w, experts, y, -1); error.failure()) return error;
+// Expert products of one x and one routing, y_i[r] = x[r] @ w_i[experts[r]] (w_i [E, K, N_i], the same E): the rows
+// are grouped by expert once and all the products' tasks run in one parallel call.
+ffi::Error RunExpertProducts(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& experts,
+                             std::vector<ffi::Buffer<ffi::F32>>& ws, std::vector<ffi::ResultBuffer<ffi::F32>>& ys) {
+  // The first w's E (its rank is checked below, before E is compared).
+  const int64_t num_experts = ws[0].dimensions().size() == 0 ? -1 : ws[0].dimensions()[0];
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (ffi::Error error = CheckExpertShapes(x, ws[i], experts, ys[i], num_experts); error.failure()) return error;
+  }
   ExpertChunks groups;
-  if (ffi::Error error = GroupByExpert(experts.typed_data(), x.dimensions()[0], w.dimensions()[0], &groups);
+  if (ffi::Error error = GroupByExpert(experts.typed_data(), x.dimensions()[0], num_experts, &groups);
       error.failure()) {
     return error;
   }
-  const ExpertProduct product(&groups, x.typed_data(), x.dimensions()[1], w.typed_data(), w.dimensions()[2],
-                              y->typed_data());
-  ParallelChunks(product.tasks(), [&product](int64_t task) { product.Run(task); });
-  product.Finish();
-  return ffi::Error::Success();
-}
-
-// Several expert products of one x and one routing: y_i[r] = x[r] @ w_i[experts[r]] (w_i [E, K, N_i], the same E),
-// all of their tasks in one parallel call, so an expert's gate and up cost one call. Each y_i is computed exactly as
-// ExpertGemm computes it alone.
-ffi::Error ExpertGemmMany(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> experts, ffi::RemainingArgs ws,
-                          ffi::RemainingRets ys) {
-  if (ws.size() == 0 || ws.size() != ys.size()) {
-    return ffi::Error::InvalidArgument("expert_gemm_many: takes x, experts, one or more w and as many results");
-  }
   std::vector<std::unique_ptr<ExpertProduct>> products;
   std::vector<int64_t> first_task = {0};
-  ExpertChunks groups;
   for (size_t i = 0; i < ws.size(); ++i) {
-    auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
-    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
-    if (w.has_error()) return w.error();
-    if (y.has_error()) return y.error();
-    const int64_t num_experts = i == 0 ? -1 : ws.get<ffi::Buffer<ffi::F32>>(0)->dimensions()[0];
-    if (ffi::Error error = CheckExpertShapes(x, *w, experts, *y, num_experts); error.failure()) return error;
-    if (i == 0) {
-      if (ffi::Error error = GroupByExpert(experts.typed_data(), x.dimensions()[0], w->dimensions()[0], &groups);
-          error.failure()) {
-        return error;
-      }
-    }
-    products.push_back(std::make_unique<ExpertProduct>(&groups, x.typed_data(), x.dimensions()[1], w->typed_data(),
-                                                       w->dimensions()[2], (*y)->typed_data()));
+    products.push_back(std::make_unique<ExpertProduct>(&groups, x.typed_data(), x.dimensions()[1], ws[i].typed_data(),
+                                                       ws[i].dimensions()[2], ys[i]->typed_data()));
     first_task.push_back(first_task.back() + products.back()->tasks());
   }
   ParallelChunks(first_task.back(), [&products, &first_task](int64_t task) {
@@ -789,6 +767,33 @@ ffi::Error ExpertGemmMany(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> experts
   });
   for (const auto& product : products) product->Finish();
   return ffi::Error::Success();
+}
+
+ffi::Error ExpertGemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y) {
+  std::vector<ffi::Buffer<ffi::F32>> ws = {w};
+  std::vector<ffi::ResultBuffer<ffi::F32>> ys = {y};
+  return RunExpertProducts(x, experts, ws, ys);
+}
+
+// Several expert products in one call (an expert's gate and up): each y_i is computed exactly as ExpertGemm
+// computes it alone.
+ffi::Error ExpertGemmMany(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> experts, ffi::RemainingArgs ws,
+                          ffi::RemainingRets ys) {
+  if (ws.size() == 0 || ws.size() != ys.size()) {
+    return ffi::Error::InvalidArgument("expert_gemm_many: takes x, experts, one or more w and as many results");
+  }
+  std::vector<ffi::Buffer<ffi::F32>> weights;
+  std::vector<ffi::ResultBuffer<ffi::F32>> results;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (w.has_error()) return w.error();
+    if (y.has_error()) return y.error();
+    weights.push_back(*w);
+    results.push_back(*y);
+  }
+  return RunExpertProducts(x, experts, weights, results);
 }
 
 }  // namespace

@@ -203,28 +203,70 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def metadata_for_layer(
-    attention_metadata: AttentionMetadata | Mapping[str, AttentionMetadata], layer_name: str
-) -> AttentionMetadata:
-  """Returns the metadata of `layer_name`: its group's object from a grouped mapping, or the single object.
+def _as_metadata(md: Any, where: str) -> AttentionMetadata:
+  """This package's `AttentionMetadata` of one runner metadata object (the object itself when it is one).
+
+  Any object with this package's fields is read by attribute, so tpu-inference's own `AttentionMetadata` (the
+  same fields plus `pcp`, `pcp_cache_pages` and `use_causal_mask`) is taken as it is; only what this model cannot
+  honour is refused.
+  """
+  if isinstance(md, AttentionMetadata):
+    return md
+  missing = [name for name in (*_DATA_FIELDS, "padded_num_reqs") if not hasattr(md, name)]
+  if missing:
+    raise TypeError(
+        f"{where}: attention metadata must be an AttentionMetadata (this package's or tpu-inference's) with the "
+        f"fields {', '.join((*_DATA_FIELDS, 'padded_num_reqs'))}; got {type(md).__name__} without {', '.join(missing)}"
+    )
+  if getattr(md, "pcp", None) is not None:
+    raise NotImplementedError(
+        f"{where}: attention_metadata.pcp is set (prefill context parallelism), which this model does not support;"
+        " run without prefill context parallelism"
+    )
+  if getattr(md, "use_causal_mask", True) is not True:
+    raise NotImplementedError(
+        f"{where}: attention_metadata.use_causal_mask is {md.use_causal_mask!r}; this decoder-only model attends"
+        " causally only"
+    )
+  return AttentionMetadata(**{name: getattr(md, name) for name in (*_DATA_FIELDS, "padded_num_reqs")})
+
+
+def metadata_for_layers(attention_metadata: Any, layer_names: Sequence[str]) -> list[AttentionMetadata]:
+  """The metadata of each layer, as this package's `AttentionMetadata`, keeping the runner's group sharing.
+
+  `attention_metadata` is one metadata object (every layer's) or a `{layer_name: metadata}` mapping (one object
+  per KV-cache group, as this package's and tpu-inference's `GroupedAttentionMetadata` hold it). Layers given the
+  same object get the same converted object, so a group's derived values are computed once and a layer's group
+  can be told by identity. Conversion is attribute reads only: no array is touched.
 
   Raises:
-    ValueError: the mapping has no entry for `layer_name` (the message lists the known layers).
-    TypeError: `attention_metadata` is neither an `AttentionMetadata` nor a mapping.
+    ValueError: the mapping has no entry for a layer (the message lists the known layers).
+    TypeError: `attention_metadata` (or a mapping's entry) is not an attention metadata object.
+    NotImplementedError: the metadata asks for prefill context parallelism (`pcp`) or a non-causal mask.
   """
-  if isinstance(attention_metadata, AttentionMetadata):
-    return attention_metadata
-  if isinstance(attention_metadata, Mapping):
-    if layer_name not in attention_metadata:
-      raise ValueError(
-          f"no attention metadata for layer {layer_name!r}; the grouped metadata has layers "
-          f"{list(attention_metadata)}"
+  converted: dict[int, AttentionMetadata] = {}
+
+  def convert(md: Any, where: str) -> AttentionMetadata:
+    if id(md) not in converted:
+      converted[id(md)] = _as_metadata(md, where)
+    return converted[id(md)]
+
+  if not isinstance(attention_metadata, Mapping):
+    if isinstance(attention_metadata, (str, bytes, Sequence)) or not hasattr(attention_metadata, "seq_lens"):
+      raise TypeError(
+          "attention_metadata must be an AttentionMetadata or a {layer_name: AttentionMetadata} mapping; "
+          f"got {type(attention_metadata).__name__}"
       )
-    return attention_metadata[layer_name]
-  raise TypeError(
-      f"attention_metadata must be an AttentionMetadata or a {{layer_name: AttentionMetadata}} mapping; "
-      f"got {type(attention_metadata).__name__}"
-  )
+    md = convert(attention_metadata, "attention_metadata")
+    return [md] * len(layer_names)
+  out = []
+  for name in layer_names:
+    if name not in attention_metadata:
+      raise ValueError(
+          f"no attention metadata for layer {name!r}; the grouped metadata has layers {list(attention_metadata)}"
+      )
+    out.append(convert(attention_metadata[name], f"attention_metadata[{name!r}]"))
+  return out
 
 
 def recurrent_state_indices(

@@ -1,7 +1,8 @@
 """Sharding on a device mesh, MaxText style: logical axes per parameter, rules from the config to mesh axes.
 
-The mesh has the axes `data`, `model` and `expert`, sized by `ici_data_parallelism`, `ici_tensor_parallelism` and
-`ici_expert_parallelism`. Every parameter has logical axes given by its canonical name (`param_logical_axes`);
+This package's mesh has the axes `data`, `model` and `expert`, sized by `ici_data_parallelism`,
+`ici_tensor_parallelism` and `ici_expert_parallelism`; a runner's mesh may lack some of them (tpu-inference's
+default mesh has only `data` and `model`), and a missing axis counts as size 1. Every parameter has logical axes given by its canonical name (`param_logical_axes`);
 `logical_axis_rules` (config key, a list of `[logical axis, mesh axis or null]` pairs) maps them onto mesh axes.
 Parameters are created directly sharded (`create_sharded_model`: the initialiser runs under `jax.jit` with the
 shardings as its outputs, so no device ever holds a whole parameter it does not own). KV caches take the
@@ -123,8 +124,14 @@ def make_mesh(cfg: ml_collections.FrozenConfigDict, devices: Sequence[Any] | Non
   return Mesh(np.array(devices[:needed]).reshape(sizes), MESH_AXES)
 
 
+def axis_size(mesh: Mesh, axis: str) -> int:
+  """The size of `axis` in `mesh`; an axis the mesh does not have has size 1 (the runner's own mesh may have only
+  `data` and `model`)."""
+  return int(mesh.shape.get(axis, 1))
+
+
 def _mesh_size(mesh: Mesh, axes: Sequence[str]) -> int:
-  return math.prod(mesh.shape[a] for a in axes)
+  return math.prod(axis_size(mesh, a) for a in axes)
 
 
 def partition_spec(
@@ -138,13 +145,13 @@ def partition_spec(
   spec: list[Any] = []
   used: set[str] = set()
   for dim, axis in zip(shape, logical):
-    mesh_axes = tuple(a for a in rules.get(axis, ()) if a not in used and mesh.shape[a] > 1) if axis else ()
+    mesh_axes = tuple(a for a in rules.get(axis, ()) if a not in used and axis_size(mesh, a) > 1) if axis else ()
     size = _mesh_size(mesh, mesh_axes)
     if size > 1 and dim % size:
       if axis in REPLICATE_IF_INDIVISIBLE:
         spec.append(None)
         continue
-      keys = ", ".join(f"{MESH_KEYS[a]}={mesh.shape[a]}" for a in mesh_axes)
+      keys = ", ".join(f"{MESH_KEYS[a]}={axis_size(mesh, a)}" for a in mesh_axes)
       raise ConfigError(
           f"{keys}: {name} has {dim} along its {axis!r} axis, which must be divisible by {size} to shard over"
           f" {'/'.join(mesh_axes)}; choose a parallelism that divides it"
@@ -195,18 +202,18 @@ def cache_sharding(spec: KVCacheSpec, shape: Sequence[int], mesh: Mesh, where: s
   Raises:
     ConfigError: an attention cache's packed head axis is not divisible by the tensor-parallel size.
   """
-  data = "data" if mesh.shape["data"] > 1 else None
+  data = "data" if axis_size(mesh, "data") > 1 else None
   if isinstance(spec, AttentionSpec):
-    head_axes = tuple(a for a in ("model", "expert") if mesh.shape[a] > 1)
+    head_axes = tuple(a for a in ("model", "expert") if axis_size(mesh, a) > 1)
     size = _mesh_size(mesh, head_axes)
     if size > 1 and shape[2] % size:
-      keys = f"ici_tensor_parallelism={mesh.shape['model']}"
-      if mesh.shape["expert"] > 1:
-        keys += f" x ici_expert_parallelism={mesh.shape['expert']} (the runner shards cache heads over both)"
+      keys = f"ici_tensor_parallelism={axis_size(mesh, 'model')}"
+      if axis_size(mesh, "expert") > 1:
+        keys += f" x ici_expert_parallelism={axis_size(mesh, 'expert')} (the runner shards cache heads over both)"
       raise ConfigError(f"{keys}: {where} has {shape[2]} packed KV heads, which must be divisible by {size}")
     heads = None if not head_axes else head_axes[0] if len(head_axes) == 1 else head_axes
     return NamedSharding(mesh, PartitionSpec(data, None, heads))
-  model = mesh.shape["model"]
+  model = axis_size(mesh, "model")
   spec_axes: list[Any] = [data] + [None] * (len(shape) - 1)
   if model > 1:
     for axis in (2, 1) if len(shape) == 3 else (1,):

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -219,17 +220,75 @@ def test_grouped_metadata_rejects_bad_groups(groups, names, error, match):
     am.GroupedAttentionMetadata(groups, names)
 
 
-def test_metadata_for_layer():
+def test_metadata_for_layers():
   """Grouped lookup, single passthrough, and errors naming the known layers."""
   grouped, groups = _grouped()
-  assert am.metadata_for_layer(grouped, "layer.3") is groups[0]
-  assert am.metadata_for_layer(grouped, "layer.1") is groups[1]
+  assert am.metadata_for_layers(grouped, ["layer.3", "layer.1", "layer.0"]) == [groups[0], groups[1], groups[0]]
   single = _metadata()
-  assert am.metadata_for_layer(single, "layer.7") is single
-  assert am.metadata_for_layer({"layer.0": single}, "layer.0") is single
+  assert all(md is single for md in am.metadata_for_layers(single, ["layer.7", "layer.0"]))
+  assert am.metadata_for_layers({"layer.0": single}, ["layer.0"])[0] is single
   with pytest.raises(
       ValueError, match=r"no attention metadata for layer 'layer.5'; .* \['layer.0', 'layer.2', 'layer.3', 'layer.1'\]"
   ):
-    am.metadata_for_layer(grouped, "layer.5")
+    am.metadata_for_layers(grouped, ["layer.0", "layer.5"])
   with pytest.raises(TypeError, match="must be an AttentionMetadata or a .* mapping; got list"):
-    am.metadata_for_layer([single], "layer.0")
+    am.metadata_for_layers([single], ["layer.0"])
+  with pytest.raises(TypeError, match="must be an AttentionMetadata or a .* mapping; got int"):
+    am.metadata_for_layers(3, ["layer.0"])
+
+
+@dataclasses.dataclass
+class _RunnerMetadata:
+  """A runner's own metadata class: tpu-inference 0.32.0's `layers/common/attention_metadata.py::AttentionMetadata`
+  has these fields (the upstream tier passes the real class; this one lets the main suite run without it)."""
+
+  input_positions: Any
+  block_tables: Any
+  seq_lens: Any
+  query_start_loc: Any
+  request_distribution: Any
+  mamba_state_indices: Any = None
+  pcp: Any = None
+  padded_num_reqs: int = -1
+  pcp_cache_pages: Any = None
+  use_causal_mask: bool = True
+
+
+def _runner_metadata(**changes):
+  md = _metadata()
+  fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(am.AttentionMetadata)}
+  return _RunnerMetadata(**{**fields, **changes})
+
+
+def test_runner_metadata_objects_are_read_by_field_keeping_group_sharing():
+  """A foreign metadata class is converted once per object: layers of one group get one converted object."""
+  first, second = _runner_metadata(), _runner_metadata(padded_num_reqs=2)
+  out = am.metadata_for_layers({"layer.0": first, "layer.1": second, "layer.2": first}, ["layer.0", "layer.1", "layer.2"])
+  assert isinstance(out[0], am.AttentionMetadata) and out[0] is out[2] and out[1] is not out[0]
+  assert out[1].padded_num_reqs == 2 and out[0].block_tables is first.block_tables
+  single = am.metadata_for_layers(first, ["layer.0", "layer.1"])
+  assert single[0] is single[1] and single[0].seq_lens is first.seq_lens
+
+
+@pytest.mark.parametrize(
+    "changes, error, match",
+    [
+        ({"pcp": object()}, NotImplementedError, r"attention_metadata\['layer.0'\]: attention_metadata.pcp is set"),
+        ({"use_causal_mask": False}, NotImplementedError, "use_causal_mask is False; .* causally only"),
+    ],
+)
+def test_runner_metadata_this_model_cannot_honour_is_refused(changes, error, match):
+  with pytest.raises(error, match=match):
+    am.metadata_for_layers({"layer.0": _runner_metadata(**changes)}, ["layer.0"])
+
+
+def test_runner_metadata_without_the_fields_is_refused():
+  @dataclasses.dataclass
+  class Partial:
+    """Two of the fields only."""
+
+    seq_lens: Any
+    block_tables: Any
+
+  with pytest.raises(TypeError, match="got Partial without input_positions, query_start_loc"):
+    am.metadata_for_layers(Partial(seq_lens=1, block_tables=2), ["layer.0"])

@@ -150,3 +150,21 @@ def test_sharded_engine_caches_keep_their_shardings_through_steps():
     assert new.sharding.is_equivalent_to(old.sharding, old.ndim), (new.sharding, old.sharding)
   assert any(a.sharding.spec == P(None, None, "model") for a in after)
   assert isinstance(llm.engine.kv_caches[0], tuple) and jnp.issubdtype(llm.engine.kv_caches[0][1].dtype, jnp.floating)
+
+
+def test_a_runner_mesh_without_the_expert_axis_shards_as_if_it_had_size_1():
+  """tpu-inference's default mesh is `('data', 'model')` (`runner/tpu_runner.py::_create_2d_mesh`): no `expert`."""
+  cfg = load_config(model_name="qwen3-next-tiny", ici_tensor_parallelism=2)
+  runner_mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+  ours = sharding.make_mesh(cfg)
+  theirs = sharding.param_shardings(cfg, runner_mesh)
+  for name, expected in sharding.param_shardings(cfg, ours).items():
+    assert theirs[name].spec == expected.spec, name
+  attention = kv_cache_spec.get_layer_spec(cfg, 3)
+  recurrent = kv_cache_spec.get_layer_spec(cfg, 0)
+  assert sharding.cache_sharding(attention, attention.cache_shape(8), runner_mesh, "x").spec == P(None, None, "model")
+  assert sharding.cache_sharding(recurrent, recurrent.cache_shapes(9)[1], runner_mesh, "x").spec == P(
+      None, "model", None, None
+  )
+  model = sharding.create_sharded_model(cfg, runner_mesh, jax.random.key(3))
+  assert sharding.params_are_sharded_as_configured(model, cfg, runner_mesh)

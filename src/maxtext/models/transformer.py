@@ -86,44 +86,47 @@ class Transformer(nnx.Module):
       self,
       x: jax.Array,
       positions: jax.Array,
-      layer_caches: Sequence[Any],
+      kv_caches: Sequence[Any],
+      layer_indices: Sequence[int],
       layer_metadata: Sequence[AttentionMetadata],
       backend: KernelBackend | None = None,
   ) -> tuple[jax.Array, list[Any]]:
-    """Runner path: every layer over a flat ragged batch with its own cache and metadata, then the final norm.
+    """Runner path: every layer over a flat ragged batch with its own slot and metadata, then the final norm.
 
-    A KV-shared layer reads the cache its source layer returned in this same step (the caller's list holds the
-    source's cache from before the step, which lacks the current tokens' K/V), and hands that object back
-    unchanged, so exactly one layer writes each physical slot.
+    The physical list is threaded through the layers in layer order: layer i reads `kv_caches[layer_indices[i]]`
+    as the layers before it left it and puts back what it returns. So layers of different KV-cache groups that
+    share one array (each writing its own group's blocks) all keep their writes, and a KV-shared layer, mapped to
+    its source's slot, reads the K/V its source wrote in this same step and hands the object back unchanged. This
+    is Python indexing only: no XLA operation.
 
     Args:
       x: `[T, D]` input embeddings of the flat batch.
       positions: `[T]` positions (from the metadata).
-      layer_caches: one cache per layer, in layer order (paged KV array or `(conv, recurrent)` pair).
+      kv_caches: the runner's physical caches (paged KV arrays or `(conv, recurrent)` tuples), in its order.
+      layer_indices: the slot of every layer (`hybrid_cache_utils.resolve_layer_kv_cache_indices`).  # [L]
       layer_metadata: one `AttentionMetadata` per layer, in layer order (its KV-cache group's).
       backend: the kernel backend of every runner op (default: the reference backend).
 
     Returns:
-      `[T, D]` final-normed hidden states and the caches after the step, in layer order.
+      `[T, D]` final-normed hidden states and the physical caches after the step, in the runner's order.
 
     Raises:
       ValueError: the lists do not have one entry per layer, or x / positions have the wrong rank.
     """
     n = len(self.layers)
-    if len(layer_caches) != n or len(layer_metadata) != n:
+    if len(layer_indices) != n or len(layer_metadata) != n:
       raise ValueError(
-          f"forward_paged needs one cache and one metadata per layer ({n} layers); got {len(layer_caches)} caches"
+          f"forward_paged needs one slot and one metadata per layer ({n} layers); got {len(layer_indices)} slots"
           f" and {len(layer_metadata)} metadata"
       )
     if x.ndim != 2 or positions.shape != x.shape[:1]:
       raise ValueError(f"forward_paged expects x [T, D] and positions [T]; got {x.shape} and {positions.shape}")
     backend = default_backend() if backend is None else backend
-    new_caches: list[Any] = []
+    caches = list(kv_caches)
     for i, layer in enumerate(self.layers):
-      cache = new_caches[layer.kv_source] if layer.kv_source >= 0 else layer_caches[i]
-      x, cache = layer.paged(x, positions, cache, layer_metadata[i], backend)
-      new_caches.append(cache)
-    return self.final_norm(x), new_caches
+      slot = layer_indices[i]
+      x, caches[slot] = layer.paged(x, positions, caches[slot], layer_metadata[i], backend)
+    return self.final_norm(x), caches
 
   def compute_logits(self, hidden: jax.Array) -> jax.Array:
     """Output head (tied or untied), divided by `logits_scaling` (Granite), and the optional final tanh soft cap:

@@ -65,7 +65,7 @@ class PagedHarness:
           self.groups.append(spec)
         self.group_of_layer.append(self.groups.index(spec))
         if cfg.kv_shared_source[i] >= 0:
-          caches.append(caches[cfg.kv_shared_source[i]])
+          caches.append(None)  # never read: a KV-shared layer's slot is its source's (`layer_indices`)
         else:
           caches.append(jnp.zeros(spec.cache_shape(NUM_BLOCKS), spec.dtype))
       else:
@@ -79,6 +79,8 @@ class PagedHarness:
             )
         )
     self.caches = caches
+    # One slot per layer in layer order, except that KV-shared layers use their source's slot.
+    self.layer_indices = tuple(src if src >= 0 else i for i, src in enumerate(cfg.kv_shared_source))
     # Each group hands out its own shuffled block ids (never block 0, the null block).
     self.free = [list(self.rng.permutation(np.arange(1, NUM_BLOCKS))) for _ in self.groups]
     self.tables = {}  # (rid, group) -> list of block ids
@@ -145,7 +147,13 @@ class PagedHarness:
     mds = [mds_by_group[g if g is not None else 0] for g in self.group_of_layer]
     graphdef, state = nnx.split(self.model)
     logits, self.caches = _paged_step(
-        graphdef, state, self.caches, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), mds
+        graphdef,
+        self.layer_indices,
+        state,
+        self.caches,
+        jnp.asarray(tokens, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        mds,
     )
     logits = np.asarray(logits)
     assert np.all(np.isfinite(logits[:t]))
@@ -156,11 +164,11 @@ class PagedHarness:
     return out
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _paged_step(graphdef, state, caches, tokens, positions, mds):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _paged_step(graphdef, layer_indices, state, caches, tokens, positions, mds):
   """One runner step; jitted once per model and shape bucket, shared by every harness."""
   model = nnx.merge(graphdef, state)
-  hidden, caches = model.forward_paged(model.embed(tokens), positions, caches, mds)
+  hidden, caches = model.forward_paged(model.embed(tokens), positions, caches, layer_indices, mds)
   return model.compute_logits(hidden), caches
 
 
@@ -290,8 +298,8 @@ def test_kv_shared_layer_reads_the_cache_its_source_just_wrote():
   _check(h, model, reqs, [[(reqs[0], 10)]])
   layer = shared[0]
   source = cfg.kv_shared_source[layer]
-  # The shared layer's entry is its source's cache after the step (written once, by the source).
-  assert np.array_equal(h.caches[layer], h.caches[source])
+  # The shared layer reads its source's slot, which the source wrote in this step; its own entry is never used.
+  assert h.layer_indices[layer] == source and h.caches[layer] is None
   assert not np.array_equal(h.caches[source], before[source])
   # Reading the stale (pre-step) cache would lose the current tokens: the output differs.
   md = AttentionMetadata(
@@ -313,10 +321,11 @@ def test_kv_shared_layer_reads_the_cache_its_source_just_wrote():
 
 def test_forward_paged_rejects_wrong_lengths():
   cfg, model = _model("llama-tiny")
-  with pytest.raises(ValueError, match=r"one cache and one metadata per layer \(4 layers\); got 1 caches and 2 metadata"):
-    model.forward_paged(jnp.zeros((4, cfg.base_emb_dim)), jnp.zeros((4,), jnp.int32), [None], [None, None])
+  x = jnp.zeros((4, cfg.base_emb_dim))
+  with pytest.raises(ValueError, match=r"one slot and one metadata per layer \(4 layers\); got 1 slots and 2 metadata"):
+    model.forward_paged(x, jnp.zeros((4,), jnp.int32), [None] * 4, (0,), [None, None])
   with pytest.raises(ValueError, match=r"expects x \[T, D\] and positions \[T\]"):
-    model.forward_paged(jnp.zeros((4, cfg.base_emb_dim)), jnp.zeros((5,), jnp.int32), [None] * 4, [None] * 4)
+    model.forward_paged(x, jnp.zeros((5,), jnp.int32), [None] * 4, (0, 1, 2, 3), [None] * 4)
 
 
 def test_gdn_layer_needs_state_indices():

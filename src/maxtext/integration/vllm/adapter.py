@@ -14,6 +14,7 @@ operation. Every runner op goes through the kernel backend that `kernel_backend`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,12 +25,15 @@ from flax import nnx
 
 from maxtext.checkpoint import load_model, load_run_config
 from maxtext.integration.vllm import hybrid_cache_utils, kv_cache_spec, kv_cache_spec_data
-from maxtext.kernels.attention_metadata import AttentionMetadata, metadata_for_layer, normalize_positions
+from maxtext.kernels.attention_metadata import AttentionMetadata, metadata_for_layers, normalize_positions
 from maxtext.kernels.backend import get_backend
 from maxtext.models import Transformer, abstract_model, sharding
 
 MAXTEXT_CONFIG_KEY = "maxtext_config"
 DUMMY_LOAD_FORMAT = "dummy"
+# The config keys that name a checkpoint; with none of them (and no model_name) vLLM's model folder is the source.
+CHECKPOINT_KEYS = ("load_parameters_path", "hf_model_path", "gguf_model_path")
+RUNNER_DTYPES = ("float32", "bfloat16")
 
 
 def _attr(obj: Any, path: str, default: Any = None) -> Any:
@@ -45,14 +49,17 @@ def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDic
   """Builds this package's config from a vLLM config, read by attribute only.
 
   `additional_config["maxtext_config"]` holds config overrides (`model_name`, `hf_model_path`, ...), as a real
-  `VllmConfig` carries them (`--additional-config`). The cache block size and dtype come from `cache_config`
-  unless overridden; `load_format == "dummy"` means random weights, so `load_parameters_path`, `hf_model_path` and
-  `gguf_model_path` are cleared. It may instead hold an already-built config (what this package's reference runner
+  `VllmConfig` carries them (`--additional-config`). Unless overridden, the cache block size and dtype come from
+  `cache_config` and `dtype` / `weight_dtype` from `model_config.dtype`; `load_format == "dummy"` means random
+  weights, so `load_parameters_path`, `hf_model_path` and `gguf_model_path` are cleared. Otherwise, when the
+  overrides name no checkpoint and no `model_name`, vLLM's model folder (`model_config.model`, holding
+  config.json) is the Hugging Face checkpoint, as for any model vLLM serves. It may instead hold an already-built config (what this package's reference runner
   passes), which is used as it is, after checking that it agrees with `cache_config` and `load_config`.
 
   Raises:
     TypeError: `additional_config` or its `maxtext_config` entry is not a mapping.
     ConfigError: the overrides do not form a valid config.
+    ValueError (from `_runner_dtype`): `model_config.dtype` is neither float32 nor bfloat16.
     ValueError: a built config disagrees with `cache_config.block_size` or asks for a checkpoint under
       `load_format="dummy"`.
   """
@@ -68,6 +75,10 @@ def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDic
         f"got {type(overrides).__name__}"
     )
   overrides = dict(overrides)
+  dtype = _runner_dtype(vllm_config)
+  if dtype is not None:
+    overrides.setdefault("dtype", dtype)
+    overrides.setdefault("weight_dtype", dtype)
   block_size = _attr(vllm_config, "cache_config.block_size")
   if block_size is not None and "block_size" not in overrides:
     overrides["block_size"] = int(block_size)
@@ -78,7 +89,28 @@ def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDic
     overrides["load_parameters_path"] = ""
     overrides["hf_model_path"] = ""
     overrides["gguf_model_path"] = ""
+  elif not any(overrides.get(key) for key in CHECKPOINT_KEYS) and "model_name" not in overrides:
+    model_folder = _attr(vllm_config, "model_config.model")
+    if isinstance(model_folder, str) and os.path.isfile(os.path.join(model_folder, "config.json")):
+      overrides["hf_model_path"] = model_folder  # vLLM's `model=` folder is the checkpoint
   return load_run_config(**overrides)
+
+
+def _runner_dtype(vllm_config: Any) -> str | None:
+  """`model_config.dtype` (a torch dtype, read by name only) as this package's dtype name, or None.
+
+  Raises:
+    ValueError: a dtype this package does not compute in.
+  """
+  dtype = _attr(vllm_config, "model_config.dtype")
+  if dtype is None:
+    return None
+  name = str(dtype).removeprefix("torch.")
+  if name not in RUNNER_DTYPES:
+    raise ValueError(
+        f"vllm_config.model_config.dtype must be one of {', '.join(RUNNER_DTYPES)} for this model; got {name!r}"
+    )
+  return name
 
 
 def _checked_built_config(cfg: ml_collections.FrozenConfigDict, vllm_config: Any) -> ml_collections.FrozenConfigDict:
@@ -217,9 +249,15 @@ class MaxTextForCausalLM(nnx.Module):
     )
     layer_caches = hybrid_cache_utils.gather_layer_kv_caches(kv_caches, layer_indices)
     kv_cache_spec.validate_layer_caches(self.cfg, layer_caches, layer_indices)
-    layer_metadata = [
-        metadata_for_layer(attention_metadata, hybrid_cache_utils.layer_name(i)) for i in range(self.num_layers)
-    ]
+    layer_metadata = metadata_for_layers(
+        attention_metadata, [hybrid_cache_utils.layer_name(i) for i in range(self.num_layers)]
+    )
+    group_of: dict[int, int] = {}  # metadata object -> KV-cache group, numbered in layer order
+    for md in layer_metadata:
+      group_of.setdefault(id(md), len(group_of))
+    hybrid_cache_utils.check_shared_slot_writers(
+        layer_indices, [group_of[id(md)] for md in layer_metadata], [src >= 0 for src in self.cfg.kv_shared_source]
+    )
     positions = normalize_positions(layer_metadata[0].input_positions) if layer_metadata else None
     if input_positions is not None and positions is not None:
       if tuple(input_positions.shape) != tuple(layer_metadata[0].input_positions.shape):
@@ -235,8 +273,7 @@ class MaxTextForCausalLM(nnx.Module):
       x = jnp.asarray(inputs_embeds, self.model.dtype)
     if positions is not None and positions.shape[0] != x.shape[0]:
       raise ValueError(f"positions cover {positions.shape[0]} tokens but the batch has {x.shape[0]} tokens")
-    hidden, new_layer_caches = self.model.forward_paged(x, positions, layer_caches, layer_metadata, self.backend)
-    new_kv_caches = hybrid_cache_utils.scatter_layer_kv_caches(kv_caches, new_layer_caches, layer_indices)
+    hidden, new_kv_caches = self.model.forward_paged(x, positions, kv_caches, layer_indices, layer_metadata, self.backend)
     if self.is_sharded:
       # Every cache leaves the step in the runner's sharding, the one it came in with.
       new_kv_caches = jax.tree_util.tree_map(

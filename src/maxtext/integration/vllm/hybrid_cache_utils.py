@@ -276,3 +276,44 @@ def scatter_layer_kv_caches(
         f"given or the writer's object), but different new caches were returned for {'; '.join(conflicts)}"
     )
   return result
+
+
+def check_shared_slot_writers(
+    layer_indices: Sequence[int], layer_groups: Sequence[int], kv_sharing: Sequence[bool]
+) -> None:
+  """Checks that the layers writing one physical slot never write the same blocks.
+
+  tpu-inference lets layers of different KV-cache groups share one array (a 5:1 sliding:full model gets one array
+  per position within its groups): each layer writes the blocks its own group's block table names, so the writes
+  are disjoint and the decoder threads the array through them in layer order. Two writing layers of the same
+  group on one slot would write the same blocks, one overwriting the other: that is refused. KV-sharing layers
+  only read their source's slot and never conflict.
+
+  Args:
+    layer_indices: the slot of every layer (`resolve_layer_kv_cache_indices`).  # [L]
+    layer_groups: the KV-cache group of every layer (layers with the same attention metadata share one).  # [L]
+    kv_sharing: whether each layer reads another layer's cache instead of writing its own.  # [L]
+
+  Raises:
+    ValueError: the sequences differ in length, or two writing layers of one group share a slot (all such slots
+      are listed, with their layers and group).
+  """
+  if not len(layer_indices) == len(layer_groups) == len(kv_sharing):
+    raise ValueError(
+        f"layer_indices ({len(layer_indices)}), layer_groups ({len(layer_groups)}) and kv_sharing "
+        f"({len(kv_sharing)}) must have one entry per layer"
+    )
+  writers: dict[tuple[int, int], list[int]] = {}
+  for layer, (slot, group, reads_only) in enumerate(zip(layer_indices, layer_groups, kv_sharing)):
+    if not reads_only:
+      writers.setdefault((slot, group), []).append(layer)
+  conflicts = [
+      f"kv_caches[{slot}] by {', '.join(layer_name(layer) for layer in layers)} (KV-cache group {group})"
+      for (slot, group), layers in writers.items()
+      if len(layers) > 1
+  ]
+  if conflicts:
+    raise ValueError(
+        "layers of one KV-cache group write the same blocks, so they cannot share a kv_caches slot (only layers of"
+        f" different groups, or KV-sharing readers, may), but {'; '.join(conflicts)} would"
+    )

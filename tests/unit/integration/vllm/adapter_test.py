@@ -264,3 +264,92 @@ def test_model_step_has_the_same_hlo_under_the_layer_order_and_the_hybrid_map():
   assert hybrid_map != layer_map
   print("jaxpr equations, HLO instructions (layer order, hybrid map):", counts)
   assert counts[0] == counts[1], counts
+
+
+def _gemma3_shared_arrays(cfg, tokens, grouped=True):
+  """tpu-inference 0.32.0's allocation for gemma3-tiny (2 sliding : 1 full) under vLLM's grouping: 3 KV-cache
+  groups {0, 3}, {1, 4}, {2, 5}, and one array per position within a group, so layers 0-2 share kv_caches[0] and
+  3-5 share kv_caches[1]. Each group draws its own blocks from the one pool (disjoint block ids)."""
+  t = len(tokens)
+  spec = kv_cache_spec.get_layer_spec(cfg, 0)
+  caches = [jnp.zeros(spec.cache_shape(NUM_BLOCKS * 4), spec.dtype) for _ in range(2)]
+  layer_map = tuple((f"layer.{i}", i // 3) for i in range(6))
+  per_req = NUM_BLOCKS  # block-table width per request
+
+  def md(first_block):
+    table = np.zeros(MAX_REQS * per_req, np.int32)
+    table[: -(-t // cfg.block_size)] = np.arange(first_block, first_block + -(-t // cfg.block_size))
+    return AttentionMetadata(
+        input_positions=jnp.arange(t, dtype=jnp.int32),
+        block_tables=jnp.asarray(table),
+        seq_lens=jnp.asarray([t] + [0] * (MAX_REQS - 1), jnp.int32),
+        query_start_loc=jnp.asarray([0] + [t] * MAX_REQS, jnp.int32),
+        request_distribution=jnp.asarray([0, 0, 1], jnp.int32),
+        padded_num_reqs=MAX_REQS,
+    )
+
+  if not grouped:
+    return caches, layer_map, GroupedAttentionMetadata([md(1)], [[f"layer.{i}" for i in range(6)]])
+  groups = [md(1 + 8 * g) for g in range(3)]
+  return (
+      caches,
+      layer_map,
+      GroupedAttentionMetadata(groups, [["layer.0", "layer.3"], ["layer.1", "layer.4"], ["layer.2", "layer.5"]]),
+  )
+
+
+def test_layers_of_different_groups_sharing_one_array_each_keep_their_writes():
+  """Each layer reads the shared array as the layers before it left it (not the step's input), so all keep their
+  K/V: the logits equal the dense forward, and each group's blocks hold its own layers' K/V."""
+  model = _model("gemma3-tiny")
+  cfg = model.cfg
+  tokens = jnp.asarray([5, 9, 200, 17, 3, 44, 81, 7, 300, 11], jnp.int32)
+  caches, layer_map, md = _gemma3_shared_arrays(cfg, tokens)
+  call, _ = _runner_step(model)
+  new_caches, hidden, _, _ = call(caches, tokens, md, layer_map)
+  dense = model.model(tokens[None])[0]
+  np.testing.assert_allclose(np.asarray(model.compute_logits(hidden)), np.asarray(dense), atol=1e-4, rtol=0)
+  for array in new_caches:  # blocks 1-3, 9-11 and 17-19: one group's each, all written
+    written = np.abs(np.asarray(array)).reshape(array.shape[0], -1).sum(axis=1) > 0
+    assert sorted(np.flatnonzero(written)) == [1, 2, 3, 9, 10, 11, 17, 18, 19]
+
+
+def test_writers_of_one_group_sharing_an_array_are_refused():
+  """The same map with one metadata for every layer means one group: layers 0-2 would write the same blocks."""
+  model = _model("gemma3-tiny")
+  tokens = jnp.asarray([5, 9, 200], jnp.int32)
+  caches, layer_map, md = _gemma3_shared_arrays(model.cfg, tokens, grouped=False)
+  call, _ = _runner_step(model)
+  with pytest.raises(
+      ValueError,
+      match=r"kv_caches\[0\] by layer.0, layer.1, layer.2 \(KV-cache group 0\); kv_caches\[1\] by layer.3, layer.4,"
+      r" layer.5 \(KV-cache group 0\)",
+  ):
+    call(caches, tokens, md, layer_map)
+
+
+def test_vllm_model_folder_and_dtype_feed_the_config(tmp_path):
+  """`LLM(model=FOLDER, dtype=...)`: the folder is the Hugging Face checkpoint unless the overrides name one, and
+  the runner's torch dtype (read by name) sets dtype and weight_dtype unless overridden."""
+  (tmp_path / "config.json").write_text(
+      '{"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,'
+      ' "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5}'
+  )
+
+  def config(dtype="torch.bfloat16", **overrides):
+    vllm = ReferenceVllmConfig(
+        model_config=type("ModelConfig", (), {"model": str(tmp_path), "dtype": dtype})(),
+        load_config=LoadConfig("auto"),
+        cache_config=CacheConfig(),
+        sharding_config=None,
+        additional_config={"maxtext_config": overrides},
+    )
+    return maxtext_config_from_vllm(vllm)
+
+  cfg = config()
+  assert cfg.hf_model_path == str(tmp_path) and cfg.vocab_size == 300 and cfg.base_num_decoder_layers == 2
+  assert cfg.dtype == cfg.weight_dtype == "bfloat16"
+  assert config(dtype="torch.float32", weight_dtype="bfloat16").weight_dtype == "bfloat16"
+  assert config(model_name="llama-tiny").hf_model_path == ""  # the overrides name the model
+  with pytest.raises(ValueError, match=r"model_config.dtype must be one of float32, bfloat16 .*; got 'float16'"):
+    config(dtype="torch.float16")

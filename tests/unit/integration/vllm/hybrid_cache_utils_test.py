@@ -796,3 +796,27 @@ def test_property_two_writers_on_one_slot_are_rejected_naming_both(layout, data)
   names = ", ".join(f"layer.{layer}" for layer in writers)
   with pytest.raises(ValueError, match=rf"different new caches were returned for kv_caches\[{slot}\] by {names}$"):
     hcu.scatter_layer_kv_caches(kv_caches, returned, slots)
+
+
+# check_shared_slot_writers
+
+
+def test_writers_of_different_groups_and_kv_sharing_readers_may_share_a_slot():
+  # A 5:1 model under vLLM's grouping (6 groups of 2): each array holds one layer of every group.
+  hcu.check_shared_slot_writers((0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1), (0, 1, 2, 3, 4, 5) * 2, (False,) * 12)
+  # A KV-sharing reader on its source's slot, in the source's group.
+  hcu.check_shared_slot_writers((0, 1, 1), (0, 0, 0), (False, False, True))
+
+
+def test_writers_of_one_group_sharing_a_slot_are_listed():
+  with pytest.raises(
+      ValueError,
+      match=r"kv_caches\[1\] by layer.1, layer.3 \(KV-cache group 0\); "
+      r"kv_caches\[2\] by layer.2, layer.4, layer.5 \(KV-cache group 1\)",
+  ):
+    hcu.check_shared_slot_writers((0, 1, 2, 1, 2, 2), (0, 0, 1, 0, 1, 1), (False, False, False, False, False, False))
+
+
+def test_shared_slot_writers_need_one_entry_per_layer():
+  with pytest.raises(ValueError, match=r"layer_indices \(2\), layer_groups \(1\) and kv_sharing \(2\)"):
+    hcu.check_shared_slot_writers((0, 1), (0,), (False, False))

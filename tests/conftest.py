@@ -29,6 +29,9 @@ import pytest  # pylint: disable=wrong-import-position
 
 from maxtext.testing import tpu_inference_wheel  # pylint: disable=wrong-import-position
 
+# The upstream tier runs in its own venv with vLLM and tpu-inference (scripts/upstream_tier.sh), not in this suite.
+collect_ignore = ["upstream"]
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Sharding code runs on fake CPU devices; this must happen before JAX initialises its backend.

@@ -20,6 +20,13 @@ def test_ci_runs_the_readme_test_command():
   assert "--cov-branch" in pytest_lines[0] and "--cov-fail-under=90" in pytest_lines[0]
 
 
+def test_ci_runs_the_readme_upstream_tier_command():
+  ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+  readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+  assert "bash scripts/upstream_tier.sh" in ci_lines and "bash scripts/upstream_tier.sh" in readme
+  assert ci_lines.index("bash scripts/upstream_tier.sh") > next(i for i, l in enumerate(ci_lines) if "-m pytest" in l)
+
+
 def test_readme_setup_command_installs_pinned_cpu_torch_first():
   readme = (ROOT / "README.md").read_text(encoding="utf-8")
   setup = next(line for line in readme.splitlines() if line.startswith("python3 -m venv"))

@@ -15,6 +15,9 @@ from maxtext.models import Transformer, abstract_model, assign_params
 
 logger = logging.getLogger(__name__)
 
+# The keys that say where a model's keys come from (a model YAML may name a checkpoint).
+SOURCE_KEYS = ("model_name", "hf_model_path", "gguf_model_path")
+
 
 def load_model(
     cfg: ml_collections.FrozenConfigDict, *, progress: bool = True, into: Transformer | None = None
@@ -62,7 +65,9 @@ def load_run_config(argv: Sequence[str] = (), **overrides: Any) -> ml_collection
       config.json or `gguf_model_path` does not exist; NotImplementedError: an unsupported architecture;
       GGUFError: an unreadable GGUF file.
   """
-  cfg = load_config(argv, **overrides)
+  # Where the model keys come from is read first from the source keys alone: the other overrides (e.g.
+  # num_kv_shared_layers=2) are validated once, against the model the checkpoint describes, not base.yml's.
+  cfg = load_config(_source_argv(argv), **{k: v for k, v in overrides.items() if k in SOURCE_KEYS})
   if cfg.hf_model_path and cfg.gguf_model_path:
     raise ConfigError(
         f"hf_model_path={cfg.hf_model_path!r} and gguf_model_path={cfg.gguf_model_path!r} are both set; set one"
@@ -71,9 +76,16 @@ def load_run_config(argv: Sequence[str] = (), **overrides: Any) -> ml_collection
   if cfg.gguf_model_path:
     return gguf.load_gguf_config(cfg.gguf_model_path, argv, **overrides)
   if not cfg.hf_model_path:
-    return cfg
+    return load_config(argv, **overrides)
   check_hf_model_source(cfg)
   return hf.load_hf_config(cfg.hf_model_path, argv, **overrides)
+
+
+def _source_argv(argv: Sequence[str]) -> list[str]:
+  """argv's base YAML (if any) and its `key=value` items of the source keys only."""
+  args = list(argv)
+  head = [args.pop(0)] if args and "=" not in args[0] else []
+  return head + [arg for arg in args if "=" in arg and arg.split("=", 1)[0].strip() in SOURCE_KEYS]
 
 
 def check_hf_model_source(cfg: ml_collections.FrozenConfigDict) -> None:

@@ -231,13 +231,17 @@ def _as_metadata(md: Any, where: str) -> AttentionMetadata:
   return AttentionMetadata(**{name: getattr(md, name) for name in (*_DATA_FIELDS, "padded_num_reqs")})
 
 
-def metadata_for_layers(attention_metadata: Any, layer_names: Sequence[str]) -> list[AttentionMetadata]:
+def metadata_for_layers(
+    attention_metadata: Any, layer_names: Sequence[str], kv_sources: Mapping[str, str] | None = None
+) -> list[AttentionMetadata]:
   """The metadata of each layer, as this package's `AttentionMetadata`, keeping the runner's group sharing.
 
   `attention_metadata` is one metadata object (every layer's) or a `{layer_name: metadata}` mapping (one object
   per KV-cache group, as this package's and tpu-inference's `GroupedAttentionMetadata` hold it). Layers given the
   same object get the same converted object, so a group's derived values are computed once and a layer's group
-  can be told by identity. Conversion is attribute reads only: no array is touched.
+  can be told by identity. Conversion is attribute reads only: no array is touched. A KV-sharing layer is in no
+  group of tpu-inference's (it has no cache of its own): without an entry it takes its source's (`kv_sources`,
+  `{layer: source layer}`), whose cache it reads.
 
   Raises:
     ValueError: the mapping has no entry for a layer (the message lists the known layers).
@@ -260,12 +264,14 @@ def metadata_for_layers(attention_metadata: Any, layer_names: Sequence[str]) -> 
     md = convert(attention_metadata, "attention_metadata")
     return [md] * len(layer_names)
   out = []
+  kv_sources = kv_sources or {}
   for name in layer_names:
-    if name not in attention_metadata:
+    key = name if name in attention_metadata else kv_sources.get(name, name)
+    if key not in attention_metadata:
       raise ValueError(
           f"no attention metadata for layer {name!r}; the grouped metadata has layers {list(attention_metadata)}"
       )
-    out.append(convert(attention_metadata[name], f"attention_metadata[{name!r}]"))
+    out.append(convert(attention_metadata[key], f"attention_metadata[{key!r}]"))
   return out
 
 

@@ -2,8 +2,9 @@
 
 This package's mesh has the axes `data`, `model` and `expert`, sized by `ici_data_parallelism`,
 `ici_tensor_parallelism` and `ici_expert_parallelism`; a runner's mesh may lack some of them (tpu-inference's
-default mesh has only `data` and `model`), and a missing axis counts as size 1. Every parameter has logical axes given by its canonical name (`param_logical_axes`);
-`logical_axis_rules` (config key, a list of `[logical axis, mesh axis or null]` pairs) maps them onto mesh axes.
+default mesh has only `data` and `model`), and a missing axis counts as size 1. Every parameter has logical axes
+given by its canonical name (`param_logical_axes`); `logical_axis_rules` (config key, a list of `[logical axis,
+mesh axis or null]` pairs) maps them onto mesh axes.
 Parameters are created directly sharded (`create_sharded_model`: the initialiser runs under `jax.jit` with the
 shardings as its outputs, so no device ever holds a whole parameter it does not own). KV caches take the
 runner's shardings (`cache_sharding`): attention `P(data, None, model)` on the packed head axis, Gated DeltaNet conv

@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 from maxtext.checkpoint import hf, load_model, model_loader, save_params
-from maxtext.configs import load_config
+from maxtext.configs import ConfigError, load_config
 from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm import adapter
 from maxtext.models import Transformer, abstract_model, get_flat_params
@@ -65,3 +65,19 @@ def test_the_adapter_traces_its_model_once_when_loading_a_folder(hf_checkpoint, 
   model.load_weights(None)
   assert len(calls) == 1
   _assert_same(get_flat_params(model.model), hf.load_hf_params(folder, cfg))
+
+
+def test_overrides_are_checked_against_the_checkpoints_model_not_base_yml(tmp_path):
+  """base.yml's model has 2 layers; num_kv_shared_layers=2 is valid for the folder's 6-layer model."""
+  (tmp_path / "config.json").write_text(
+      '{"model_type": "gemma3_text", "vocab_size": 512, "hidden_size": 96, "intermediate_size": 192,'
+      ' "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,'
+      ' "sliding_window": 16, "layer_types": ["sliding_attention", "sliding_attention", "full_attention",'
+      ' "sliding_attention", "sliding_attention", "full_attention"]}'
+  )
+  cfg = model_loader.load_run_config(hf_model_path=str(tmp_path), num_kv_shared_layers=2)
+  assert cfg.base_num_decoder_layers == 6 and cfg.kv_shared_source == (-1, -1, -1, -1, 3, 2)
+  argv_cfg = model_loader.load_run_config([f"hf_model_path={tmp_path}", "num_kv_shared_layers=2"])
+  assert argv_cfg.kv_shared_source == cfg.kv_shared_source
+  with pytest.raises(ConfigError, match="num_kv_shared_layers=6: must be < base_num_decoder_layers=6"):
+    model_loader.load_run_config(hf_model_path=str(tmp_path), num_kv_shared_layers=6)

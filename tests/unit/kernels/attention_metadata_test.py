@@ -233,6 +233,10 @@ def test_metadata_for_layers():
     am.metadata_for_layers(grouped, ["layer.0", "layer.5"])
   with pytest.raises(TypeError, match="must be an AttentionMetadata or a .* mapping; got list"):
     am.metadata_for_layers([single], ["layer.0"])
+  # A KV-sharing layer outside every group (tpu-inference gives it no cache) takes its source's metadata.
+  assert am.metadata_for_layers(grouped, ["layer.5", "layer.1"], {"layer.5": "layer.1"}) == [groups[1], groups[1]]
+  with pytest.raises(ValueError, match="no attention metadata for layer 'layer.6'"):
+    am.metadata_for_layers(grouped, ["layer.6"], {"layer.5": "layer.1"})
   with pytest.raises(TypeError, match="must be an AttentionMetadata or a .* mapping; got int"):
     am.metadata_for_layers(3, ["layer.0"])
 

@@ -53,8 +53,9 @@ def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDic
   `cache_config` and `dtype` / `weight_dtype` from `model_config.dtype`; `load_format == "dummy"` means random
   weights, so `load_parameters_path`, `hf_model_path` and `gguf_model_path` are cleared. Otherwise, when the
   overrides name no checkpoint and no `model_name`, vLLM's model folder (`model_config.model`, holding
-  config.json) is the Hugging Face checkpoint, as for any model vLLM serves. It may instead hold an already-built config (what this package's reference runner
-  passes), which is used as it is, after checking that it agrees with `cache_config` and `load_config`.
+  config.json) is the Hugging Face checkpoint, as for any model vLLM serves. It may instead hold an already-built
+  config (what this package's reference runner passes), which is used as it is, after checking that it agrees with
+  `cache_config` and `load_config`.
 
   Raises:
     TypeError: `additional_config` or its `maxtext_config` entry is not a mapping.
@@ -250,7 +251,9 @@ class MaxTextForCausalLM(nnx.Module):
     layer_caches = hybrid_cache_utils.gather_layer_kv_caches(kv_caches, layer_indices)
     kv_cache_spec.validate_layer_caches(self.cfg, layer_caches, layer_indices)
     layer_metadata = metadata_for_layers(
-        attention_metadata, [hybrid_cache_utils.layer_name(i) for i in range(self.num_layers)]
+        attention_metadata,
+        [hybrid_cache_utils.layer_name(i) for i in range(self.num_layers)],
+        kv_cache_spec.get_shared_kv_cache_layers(self.cfg),
     )
     group_of: dict[int, int] = {}  # metadata object -> KV-cache group, numbered in layer order
     for md in layer_metadata:

@@ -10,7 +10,8 @@ and builds vLLM's spec classes from this data (so nothing here imports vLLM):
                             "sliding_window": None | W, "dtype": "bfloat16"}},
      "shared_kv_cache_layers": {"layer.5": "layer.3"}}
 
-`kind` values are vLLM's spec kinds; `mamba_type` names vLLM's mamba backend enum member of Gated DeltaNet.
+`kind` values are vLLM's spec kinds; `mamba_type` names vLLM's mamba backend enum member (`GDN_ATTN` for Gated
+DeltaNet, `MAMBA2` for Mamba2 layers).
 Attention heads and head size are the model's own: the runner pads KV heads up to its tensor-parallel size and the
 head size to its lane width, as it does for every JAX model. Mamba shapes are per slot and global (the runner
 shards conv channels and recurrent heads itself). KV-sharing layers have no entry in `layers`; they read the cache
@@ -23,17 +24,20 @@ from typing import Any
 
 import ml_collections
 
-from maxtext.configs.layer_kinds import LINEAR_ATTENTION
+from maxtext.configs.layer_kinds import LINEAR_ATTENTION, MAMBA
 from maxtext.integration.vllm import kv_cache_spec
 
 FULL_ATTENTION_KIND = "full_attention"
 SLIDING_WINDOW_KIND = "sliding_window"
 MAMBA_KIND = "mamba"
 GDN_MAMBA_TYPE = "GDN_ATTN"
+MAMBA2_MAMBA_TYPE = "MAMBA2"
 
 
-# vLLM's mamba backend (its MambaAttentionBackendEnum member name) for each recurrent layer kind.
-MAMBA_TYPES = {LINEAR_ATTENTION: GDN_MAMBA_TYPE}
+# vLLM's mamba backend (its MambaAttentionBackendEnum member name) for each recurrent layer kind. The runner only
+# sizes and allocates the state arrays from the spec; which backend is named matters to vLLM's bookkeeping, not to
+# this model's kernels.
+MAMBA_TYPES = {LINEAR_ATTENTION: GDN_MAMBA_TYPE, MAMBA: MAMBA2_MAMBA_TYPE}
 
 
 def _layer_data(cfg: ml_collections.FrozenConfigDict, name: str, spec: kv_cache_spec.KVCacheSpec) -> dict[str, Any]:

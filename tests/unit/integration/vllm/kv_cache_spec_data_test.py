@@ -10,6 +10,7 @@ from maxtext.configs import load_config
 from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
 from maxtext.integration.vllm import kv_cache_spec_data as spec_data_lib
+from maxtext.integration.vllm.kv_cache_spec import get_layer_spec
 from maxtext.integration.vllm.kv_cache_spec_data import kv_cache_spec_data
 from maxtext.kernels.cache_spec import RecurrentSpec
 
@@ -71,3 +72,19 @@ def test_a_recurrent_kind_without_a_vllm_mamba_backend_is_refused():
   cfg = load_config(model_name="qwen3.5-tiny")
   with pytest.raises(NotImplementedError, match="layer.2 is a mamba2 layer, which has no vLLM mamba backend"):
     spec_data_lib._layer_data(cfg, "layer.2", spec)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("name", ["granite4-tiny", "bamba-tiny"])
+def test_mamba2_layers_are_stated_as_vllm_mamba2_states(name):
+  cfg = load_config(model_name=name)
+  data = kv_cache_spec_data(cfg)
+  mamba = [i for i, kind in enumerate(cfg.layer_types) if kind == "mamba"]
+  assert mamba
+  for i in mamba:
+    spec = get_layer_spec(cfg, i)
+    assert data["layers"][f"layer.{i}"] == {
+        "kind": "mamba",
+        "mamba_type": "MAMBA2",
+        "shapes": tuple(tuple(s) for s in spec.state_shapes),
+        "dtypes": tuple(spec.state_dtypes),
+    }

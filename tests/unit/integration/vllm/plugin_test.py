@@ -59,10 +59,33 @@ class _RecordingLoader(types.ModuleType):
     self.registry[arch] = model
 
 
-def _fake_modules(loader: types.ModuleType | None) -> dict:
+class _MambaModelConfig:
+  """Records the configs vLLM's `MambaModelConfig.verify_and_update_config` would update (the upstream tier runs
+  the real one)."""
+
+  updated: list = []
+
+  @classmethod
+  def verify_and_update_config(cls, vllm_config) -> None:
+    """Records the config it was given."""
+    cls.updated.append(vllm_config)
+
+
+def _fake_models_config() -> types.ModuleType:
+  """A fake `vllm.model_executor.models.config` with an empty MODELS_CONFIG_MAP."""
+  module = types.ModuleType(plugin.MODELS_CONFIG_MODULE)
+  module.MODELS_CONFIG_MAP = {}
+  module.MambaModelConfig = _MambaModelConfig
+  return module
+
+
+def _fake_modules(loader: types.ModuleType | None, models_config: types.ModuleType | None = None) -> dict:
   """sys.modules entries for vLLM and tpu-inference's package chain down to `loader`."""
   return {
       "vllm": types.ModuleType("vllm"),
+      "vllm.model_executor": types.ModuleType("vllm.model_executor"),
+      "vllm.model_executor.models": types.ModuleType("vllm.model_executor.models"),
+      plugin.MODELS_CONFIG_MODULE: models_config or _fake_models_config(),
       "tpu_inference": types.ModuleType("tpu_inference"),
       "tpu_inference.models": types.ModuleType("tpu_inference.models"),
       "tpu_inference.models.common": types.ModuleType("tpu_inference.models.common"),
@@ -156,3 +179,26 @@ def test_pyproject_exposes_register_as_a_vllm_general_plugin():
   entry = project["entry-points"]["vllm.general_plugins"]["maxtext"]
   module_name, attr = entry.split(":")
   assert getattr(importlib.import_module(module_name), attr) is plugin.register
+
+
+def test_register_adds_the_config_hook_to_vllms_map():
+  models_config = _fake_models_config()
+  with mock.patch.dict(sys.modules, _fake_modules(_RecordingLoader(), models_config)):
+    plugin.register()
+  assert getattr(models_config, "MODELS_CONFIG_MAP") == {"MaxTextForCausalLM": plugin.MaxTextModelConfig}
+  with mock.patch.dict(sys.modules, _fake_modules(_RecordingLoader(), types.ModuleType(plugin.MODELS_CONFIG_MODULE))):
+    with pytest.raises(plugin.PluginEnvironmentError, match="has no MODELS_CONFIG_MAP dict"):
+      plugin.register()
+
+
+@pytest.mark.parametrize(
+    "model_name, hybrid", [("qwen3-next-tiny", True), ("granite4-tiny", True), ("gemma3-tiny", False)]
+)
+def test_the_config_hook_gives_models_with_recurrent_layers_mambas_settings(model_name, hybrid):
+  """vLLM's MambaModelConfig (align mode under prefix caching) for hybrid models only."""
+  vllm_config = types.SimpleNamespace(additional_config={"maxtext_config": {"model_name": model_name}})
+  _MambaModelConfig.updated.clear()
+  with mock.patch.dict(sys.modules, _fake_modules(_RecordingLoader())):
+    plugin.MaxTextModelConfig.verify_and_update_config(vllm_config)
+  assert _MambaModelConfig.updated == ([vllm_config] if hybrid else [])
+  plugin.MaxTextModelConfig.verify_and_update_model_config(object())  # vLLM calls both halves of a hook

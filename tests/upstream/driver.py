@@ -1,0 +1,79 @@
+"""Runs one vLLM `LLM` over this package's model in this process and writes what it decided and generated as JSON.
+
+    python tests/upstream/driver.py SPEC.json OUT.json
+
+SPEC holds `model` (a Hugging Face folder), `maxtext_config` (overrides), `prompts` (lists of token ids) or
+`rounds` (lists of such lists, one `generate` call each), `max_tokens`, and `engine` (further `LLM(...)` keywords).
+OUT gets the greedy tokens of each prompt (no stop at eos), the prompt tokens each request found in the prefix
+cache, and the runner's layout: its KV-cache groups, block count, `layer_name_to_kvcache_index`, each physical
+cache's shapes and dtypes (a recurrent state's first axis is its slot count) and the mesh. The tier runs each
+engine in a process of its own, so one engine's global state (vLLM's distributed setup, jit caches) never leaks into
+the next.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import stand_ins  # pylint: disable=wrong-import-position  # must come before vLLM
+
+stand_ins.install()
+
+# pylint: disable=wrong-import-position,wrong-import-order
+import jax
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+
+def _runner(llm: LLM):
+  core = llm.llm_engine.engine_core.engine_core
+  return core.model_executor.driver_worker.worker.model_runner
+
+
+def _describe(cache) -> list[list]:
+  leaves = cache if isinstance(cache, (tuple, list)) else [cache]
+  return [[list(leaf.shape), str(leaf.dtype)] for leaf in leaves]
+
+
+def layout(llm: LLM) -> dict:
+  """The runner's KV-cache groups, slot map, physical caches and state-slot count."""
+  runner = _runner(llm)
+  config = runner.kv_cache_config
+  return {
+      "groups": [
+          {"layers": list(group.layer_names), "spec": type(group.kv_cache_spec).__name__}
+          for group in config.kv_cache_groups
+      ],
+      "num_blocks": int(config.num_blocks),
+      "layer_name_to_kvcache_index": dict(runner.layer_name_to_kvcache_index),
+      "kv_caches": [_describe(cache) for cache in runner.kv_caches],
+      "mesh": {name: int(size) for name, size in runner.mesh.shape.items()},
+  }
+
+
+def main(spec_path: str, out_path: str) -> None:
+  spec = json.loads(pathlib.Path(spec_path).read_text(encoding="utf-8"))
+  engine = dict(spec.get("engine", {}))
+  llm = LLM(
+      model=spec["model"],
+      skip_tokenizer_init=True,
+      hf_overrides={"architectures": ["MaxTextForCausalLM"]},
+      additional_config={"maxtext_config": spec.get("maxtext_config", {})},
+      **engine,
+  )
+  params = SamplingParams(max_tokens=int(spec["max_tokens"]), temperature=0.0, ignore_eos=True, detokenize=False)
+  tokens, cached = [], []
+  # Each round is one generate call; a later round can hit the prefix cache of an earlier one.
+  for prompts in spec.get("rounds") or [spec["prompts"]]:
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    tokens += [list(out.outputs[0].token_ids) for out in outputs]
+    cached += [int(out.num_cached_tokens or 0) for out in outputs]
+  result = {"tokens": tokens, "num_cached_tokens": cached, "layout": layout(llm), "jax": jax.__version__}
+  pathlib.Path(out_path).write_text(json.dumps(result), encoding="utf-8")
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:3])

@@ -245,12 +245,17 @@ def _cancel_on_sigint() -> Iterator[threading.Event]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Console entry point: user errors become one line on stderr and exit status 2; Ctrl-C exits 130."""
+  """Console entry point: user errors become one line on stderr and exit status 2 (no argument at all: the usage
+  line); Ctrl-C exits 130."""
   args = sys.argv[1:] if argv is None else list(argv)
   logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+  if not args:
+    # Without any argument the run would decode the base config's random-weight model: almost surely not meant.
+    print(USAGE, file=sys.stderr)
+    return EXIT_USAGE
   with _cancel_on_sigint() as cancel:
     try:
-      status = _print_usage() if args and args[0] in ("-h", "--help") else run(args, cancel)
+      status = _print_usage() if args[0] in ("-h", "--help") else run(args, cancel)
       sys.stdout.flush()  # a closed pipe raises here, inside the handler, rather than at interpreter exit
       return status
     except USER_ERRORS as e:

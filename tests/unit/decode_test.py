@@ -8,6 +8,7 @@ greedily with full-sequence forwards. tests/integration/cli_test.py runs the sam
 import json
 import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +132,19 @@ def test_help_prints_the_usage_and_exits_0(capsys, flag):
   assert decode.main([flag]) == 0
   out = capsys.readouterr().out
   assert out.startswith(decode.USAGE) and "output_format=json" in out
+
+
+@pytest.mark.parametrize("argv", [[], None])
+def test_no_argument_prints_the_usage_on_stderr_and_exits_2(capsys, monkeypatch, argv):
+  monkeypatch.setattr(sys, "argv", ["maxtext-decode"])  # main(None) reads the program's own arguments
+
+  def no_run(*args):
+    raise AssertionError(f"nothing must be decoded: run{args}")
+
+  monkeypatch.setattr(decode, "run", no_run)
+  assert decode.main(argv) == 2
+  captured = capsys.readouterr()
+  assert captured.err == decode.USAGE + "\n" and captured.out == ""
 
 
 @pytest.mark.parametrize(

@@ -1,20 +1,21 @@
 """`maxtext-decode` / `python -m maxtext.decode`: run a decode from a YAML config and `key=value` overrides.
 
     maxtext-decode configs/base.yml model_name=qwen3-next-tiny prompt="I love to" max_new_tokens=16
-    maxtext-decode configs/base.yml model_name=qwen3-next-tiny output_format=json
+    maxtext-decode configs/base.yml model_name=qwen3-next-tiny output_format=json max_new_tokens=8
     maxtext-decode configs/base.yml model_name=qwen3.5-tiny dry_run=true      # the cache layout, no model run
     maxtext-decode configs/base.yml model_name=smollm2-135m-instruct prompt="What is the capital of France?" \
         use_chat_template=true                                                 # a real model (fetch it first)
-    maxtext-decode configs/base.yml model_name=llama-tiny prompts_file=prompts.jsonl output_format=json
+    maxtext-decode configs/base.yml model_name=llama-tiny prompts_file=prompts.jsonl output_format=json max_new_tokens=8
 
 Text output streams the completion of a single prompt to stdout as it is generated; with `prompts_file=` (one
 prompt per line, or JSON Lines with "prompt" or "prompt_token_ids") all prompts are decoded together and each
 completion is printed after a `=== prompt K (line N) ===` header, in file order. `output_format=json` prints
 exactly one JSON object on stdout:
 `{"requests": [{"prompt_token_ids", "output_token_ids", "text", "finish_reason", "logprobs"}], "stats": {...}}`
-(finish_reason: "stop" at eos or a stop token, "length" at max_new_tokens or max_target_length). Logs and progress
-go to stderr. Bad input (unknown key, bad value, missing file) prints one line on stderr and exits with status 2;
-Ctrl-C exits with status 130.
+(finish_reason: "stop" at eos or a stop token, "length" at max_new_tokens or max_target_length). Without
+max_new_tokens (or with 0) a completion runs until eos, within max_target_length; text output gets one stderr
+warning when a completion stopped at a length limit instead. Logs and progress go to stderr. Bad input (unknown
+key, bad value, missing file) prints one line on stderr and exits with status 2; Ctrl-C exits with status 130.
 """
 
 from __future__ import annotations
@@ -65,9 +66,13 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 def sampling_params_from_config(cfg: ml_collections.FrozenConfigDict) -> SamplingParams:
-  """The decode keys as SamplingParams (MaxText conventions: top_k <= 0 and top_p <= 0 mean "off")."""
+  """The decode keys as SamplingParams (MaxText conventions: top_k <= 0 and top_p <= 0 mean "off").
+
+  max_new_tokens=0 (the default) becomes max_tokens=max_target_length: a request generates until eos, or until
+  prompt + output fill max_target_length.
+  """
   return SamplingParams(
-      max_tokens=cfg.max_new_tokens,
+      max_tokens=cfg.max_new_tokens or cfg.max_target_length,
       temperature=cfg.decode_sampling_temperature,
       top_k=cfg.decode_sampling_top_k if cfg.decode_sampling_top_k > 0 else -1,
       top_p=cfg.decode_sampling_nucleus_p if cfg.decode_sampling_nucleus_p > 0 else 1.0,
@@ -125,9 +130,11 @@ def run(argv: Sequence[str], cancel: threading.Event | None = None) -> int:
     print(outputs_to_json(outputs, llm.engine.stats.as_dict()))
   elif len(prompts) == 1 and not cfg.prompts_file:
     outputs = generate_streaming(llm, prompts[0].prompt, params, cancel)
+    report_cut_answers(cfg, outputs)
   else:
     outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True, cancel=cancel)
     print_completions(prompts, outputs)
+    report_cut_answers(cfg, outputs)
   return 0
 
 
@@ -177,6 +184,8 @@ def report_length_cap(
   of the ids the model receives (after the chat template when `use_chat_template=true`).
   """
   limit, wanted = cfg.max_target_length, params.max_tokens
+  if not cfg.max_new_tokens:
+    return  # no cap asked for: generating until max_target_length is the rule, not a surprise
   lengths = [len(llm.prompt_token_ids(p.prompt)) for p in prompts]
   reachable = [prompt_checks.num_generatable_tokens(n, wanted, limit) for n in lengths]
   capped = sorted((r, n) for r, n in zip(reachable, lengths) if 1 <= r < wanted)  # r < 1: the scheduler says it
@@ -191,6 +200,27 @@ def report_length_cap(
         f" {length}-token prompt); each generates at most what fits"
     )
   print(f"maxtext-decode: warning: max_new_tokens={wanted} but max_target_length={limit} {detail}", file=sys.stderr)
+
+
+def report_cut_answers(cfg: ml_collections.FrozenConfigDict, outputs: Sequence[RequestOutput]) -> None:
+  """One stderr line, after text output, when an answer stopped at a length limit without reaching eos.
+
+  With max_new_tokens set, it names the answers that stopped at that cap (those that max_target_length stopped
+  were announced before decoding, by `report_length_cap`). With max_new_tokens=0 a length stop can only be
+  max_target_length, which is then named. JSON output says the same per request in `finish_reason`.
+  """
+  cut = [out for out in outputs if out.outputs[0].finish_reason == "length"]
+  if cfg.max_new_tokens:
+    cut = [out for out in cut if len(out.outputs[0].token_ids) >= cfg.max_new_tokens]
+    limit = f"max_new_tokens={cfg.max_new_tokens}"
+    advice = f"raise it, or set it to 0 (the default) to stop only at eos or max_target_length={cfg.max_target_length}"
+  else:
+    limit = f"max_target_length={cfg.max_target_length} (prompt + answer)"
+    advice = "raise max_target_length"
+  if not cut:
+    return
+  which = "the answer" if len(outputs) == 1 else f"{len(cut)} of {len(outputs)} answers"
+  print(f"maxtext-decode: warning: {which} stopped at {limit} without reaching eos; {advice}", file=sys.stderr)
 
 
 def _print_usage() -> int:

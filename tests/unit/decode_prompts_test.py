@@ -137,6 +137,52 @@ def test_max_new_tokens_beyond_max_target_length_is_reported_once(tmp_path, caps
   assert "max_new_tokens=40 but max_target_length=32 leaves room for fewer tokens after 2 of 2 prompts" in warnings[0]
 
 
+def _warnings(err):
+  return [line for line in err.splitlines() if line.startswith("maxtext-decode: ")]
+
+
+def test_without_max_new_tokens_a_completion_runs_until_eos_within_max_target_length(capsys, greedy):
+  expected = greedy(_ids("I love"), 1000)  # stops at eos or at max_target_length=32
+  assert len(expected) > 16 and EOS not in expected  # longer than the old default cap; cut by max_target_length
+  assert decode.main([BASE] + RUN + ["prompt=I love", "output_format=json"]) == 0
+  captured = capsys.readouterr()
+  (request,) = json.loads(captured.out)["requests"]
+  assert request["output_token_ids"] == expected and request["finish_reason"] == "length"
+  assert _warnings(captured.err) == []  # JSON output tells it in finish_reason
+
+  assert decode.main([BASE] + RUN + ["prompt=I love"]) == 0
+  captured = capsys.readouterr()
+  assert captured.out == _text(expected) + "\n"
+  assert _warnings(captured.err) == [
+      "maxtext-decode: warning: the answer stopped at max_target_length=32 (prompt + answer) without reaching eos;"
+      " raise max_target_length"
+  ]
+
+
+def test_a_text_answer_cut_by_max_new_tokens_is_said_once(tmp_path, capsys, greedy):
+  assert EOS not in greedy(_ids("I love"), 3)
+  assert decode.main([BASE] + RUN + ["prompt=I love", "max_new_tokens=3"]) == 0
+  assert _warnings(capsys.readouterr().err) == [
+      "maxtext-decode: warning: the answer stopped at max_new_tokens=3 without reaching eos; raise it, or set it to"
+      " 0 (the default) to stop only at eos or max_target_length=32"
+  ]
+  path = tmp_path / "prompts.txt"
+  path.write_text("I love\nHello there\n", encoding="utf-8")
+  assert EOS not in greedy(_ids("Hello there"), 3)
+  assert decode.main([BASE] + RUN + [f"prompts_file={path}", "max_new_tokens=3"]) == 0
+  (warning,) = _warnings(capsys.readouterr().err)
+  assert warning.startswith("maxtext-decode: warning: 2 of 2 answers stopped at max_new_tokens=3 without reaching eos;")
+
+
+def test_a_cap_announced_before_decoding_is_not_said_again(capsys, greedy):
+  # max_target_length=32 leaves 25 tokens after the 7-token prompt: the warning before decoding says so; the answer
+  # that stops there was not cut by max_new_tokens=100.
+  assert EOS not in greedy(_ids("I love"), 100)
+  assert decode.main([BASE] + RUN + ["prompt=I love", "max_new_tokens=100"]) == 0
+  (warning,) = _warnings(capsys.readouterr().err)
+  assert warning.startswith("maxtext-decode: warning: max_new_tokens=100 but max_target_length=32 leaves room for 25")
+
+
 def test_use_chat_template_without_a_template_is_one_error(capsys):
   assert decode.main([BASE] + RUN + ["use_chat_template=true"]) == 2
   err = capsys.readouterr().err

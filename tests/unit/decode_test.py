@@ -158,7 +158,7 @@ def test_no_argument_prints_the_usage_on_stderr_and_exits_2(capsys, monkeypatch,
         (["/nonexistent/base.yml"], r"config file '/nonexistent/base.yml' does not exist"),
         ([BASE, "max_target_length=4"], r"the prompt has 10 tokens but must be shorter than max_target_length=4"),
         ([BASE, "prompt="], r"prompt is empty: set prompt=\.\.\. or prompt_token_ids=\[\.\.\.\]"),
-        ([BASE, "max_new_tokens=0"], r"max_new_tokens=0: must be > 0"),
+        ([BASE, "max_new_tokens=-1"], r"max_new_tokens=-1: must be >= 0 \(0 = until eos, within max_target_length\)"),
         ([BASE, "kernel_backend=tpu_inference"], r"kernel_backend=tpu_inference needs the tpu-inference package"),
     ],
 )
@@ -195,6 +195,11 @@ def test_sampling_params_from_config_maps_the_off_values(keys, expected):
   params = decode.sampling_params_from_config(cfg)
   assert (params.max_tokens, params.temperature, params.seed) == (7, 0.8, 11)
   assert (params.top_k, params.top_p, params.logprobs) == (expected["top_k"], expected["top_p"], expected["logprobs"])
+
+
+def test_max_new_tokens_0_is_max_target_length():
+  assert decode.sampling_params_from_config(load_config(max_target_length=77)).max_tokens == 77  # base.yml: 0
+  assert decode.sampling_params_from_config(load_config(max_target_length=77, max_new_tokens=5)).max_tokens == 5
 
 
 def test_outputs_to_json_writes_every_request_and_the_stats():

@@ -9,8 +9,8 @@
 
 Text output streams the completion of a single prompt to stdout as it is generated; with `prompts_file=` (one
 prompt per line, or JSON Lines with "prompt" or "prompt_token_ids") all prompts are decoded together and each
-completion is printed after a `=== prompt K (line N) ===` header, in file order. `output_format=json` prints
-exactly one JSON object on stdout:
+completion is printed after a `=== prompt K (line N) ===` header, in file order, as soon as it and every earlier
+one are finished. `output_format=json` prints exactly one JSON object on stdout, at the end:
 `{"requests": [{"prompt_token_ids", "output_token_ids", "text", "finish_reason", "logprobs"}], "stats": {...}}`
 (finish_reason: "stop" at eos or a stop token, "length" at max_new_tokens or max_target_length). Without
 max_new_tokens (or with 0) a completion runs until eos, within max_target_length; text output gets one stderr
@@ -21,15 +21,17 @@ key, bad value, missing file) prints one line on stderr and exits with status 2;
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import threading
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import ml_collections
@@ -132,8 +134,11 @@ def run(argv: Sequence[str], cancel: threading.Event | None = None) -> int:
     outputs = generate_streaming(llm, prompts[0].prompt, params, cancel)
     report_cut_answers(cfg, outputs)
   else:
-    outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True, cancel=cancel)
-    print_completions(prompts, outputs)
+    watch = ReaderWatch(sys.stdout)
+    outputs = print_completions(
+        prompts,
+        llm.generate_iter([p.prompt for p in prompts], params, use_tqdm=True, on_token=watch.on_token, cancel=cancel),
+    )
     report_cut_answers(cfg, outputs)
   return 0
 
@@ -167,11 +172,44 @@ def generate_streaming(
   return outputs
 
 
-def print_completions(prompts: Sequence[FilePrompt], outputs: Sequence[RequestOutput]) -> None:
-  """Each completion after a `=== prompt K (line N) ===` header, in input order."""
-  for k, (prompt, out) in enumerate(zip(prompts, outputs)):
-    print(f"=== prompt {k} (line {prompt.line}) ===")
-    print(out.outputs[0].text)
+def print_completions(prompts: Sequence[FilePrompt], outputs: Iterable[RequestOutput]) -> list[RequestOutput]:
+  """Each completion after a `=== prompt K (line N) ===` header, in input order, written and flushed as soon as
+  `outputs` (e.g. `LLM.generate_iter`) hands it out; returns the outputs."""
+  printed = []
+  for k, out in enumerate(outputs):
+    sys.stdout.write(f"=== prompt {k} (line {prompts[k].line}) ===\n{out.outputs[0].text}\n")
+    sys.stdout.flush()
+    printed.append(out)
+  return printed
+
+
+class ReaderWatch:
+  """Notices between decode steps that the reader of a pipe went away (`maxtext-decode ... | head -2` exited),
+  so a run whose later completions nobody will read stops then, instead of at its next write.
+
+  Args:
+    stream: the text stream written to (sys.stdout); a stream without a descriptor (captured output) or a platform
+      without `select.poll` is never reported gone.
+  """
+
+  def __init__(self, stream: Any):
+    self._poll = None
+    try:
+      poll = select.poll()
+      poll.register(stream.fileno(), 0)  # no event asked for: poll still reports POLLERR once a pipe's reader closed
+    except (AttributeError, OSError, ValueError):
+      return
+    self._poll = poll
+
+  def on_token(self, index: int, token_id: int) -> None:
+    """`LLM.generate`'s `on_token` callback.
+
+    Raises:
+      BrokenPipeError: the reader of the stream is gone.
+    """
+    del index, token_id
+    if self._poll is not None and any(event & (select.POLLERR | select.POLLHUP) for _, event in self._poll.poll(0)):
+      raise BrokenPipeError(errno.EPIPE, "the reader of stdout went away")
 
 
 def report_length_cap(

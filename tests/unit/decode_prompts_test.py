@@ -6,6 +6,7 @@ with full-sequence forwards (as in decode_test.py).
 
 import io
 import json
+import os
 import pathlib
 import sys
 
@@ -17,6 +18,7 @@ from flax import nnx
 
 from maxtext import decode
 from maxtext.configs import load_config
+from maxtext.inference.engine import LLMEngine
 from maxtext.models import Transformer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -135,6 +137,103 @@ def test_max_new_tokens_beyond_max_target_length_is_reported_once(tmp_path, caps
   assert capped  # the seeded random model does not stop at eos before max_target_length for these prompts
   assert len(warnings) == 1, captured.err
   assert "max_new_tokens=40 but max_target_length=32 leaves room for fewer tokens after 2 of 2 prompts" in warnings[0]
+
+
+class _StepClock:
+  """Counts engine steps (LLMEngine.step calls) so a test can tell when output was written."""
+
+  def __init__(self, monkeypatch):
+    self.steps = 0
+    real_step = LLMEngine.step
+
+    def counted(engine):
+      self.steps += 1
+      return real_step(engine)
+
+    monkeypatch.setattr(LLMEngine, "step", counted)
+
+
+class _TimedStdout(io.StringIO):
+  """stdout that records the step count at every write and flush."""
+
+  def __init__(self, clock):
+    super().__init__()
+    self.clock = clock
+    self.events = []
+
+  def write(self, s):
+    self.events.append(("write", self.clock.steps, s))
+    return super().write(s)
+
+  def flush(self):
+    self.events.append(("flush", self.clock.steps, ""))
+    super().flush()
+
+
+def _short_then_long_file(tmp_path, greedy):
+  """A prompts file whose first answer ends long before its second: max_target_length=32 leaves room for 6 tokens
+  after the 26-id prompt of line 1 and for 29 after "Hi" (line 2). Returns (path, expected tokens per line)."""
+  long_prompt = list(range(3, 29))
+  path = tmp_path / "prompts.jsonl"
+  path.write_text(json.dumps({"prompt_token_ids": long_prompt}) + "\n" + json.dumps({"prompt": "Hi"}) + "\n")
+  expected = [greedy(long_prompt, 1000), greedy(_ids("Hi"), 1000)]
+  assert len(expected[0]) < len(expected[1]) - 5  # the seeded model's first answer ends well before the second
+  return path, expected
+
+
+def test_prompts_file_text_writes_each_completion_as_soon_as_it_is_ready(tmp_path, monkeypatch, greedy):
+  path, expected = _short_then_long_file(tmp_path, greedy)
+  clock = _StepClock(monkeypatch)
+  stdout = _TimedStdout(clock)
+  monkeypatch.setattr(sys, "stdout", stdout)
+  assert decode.main([BASE] + RUN + [f"prompts_file={path}"]) == 0
+  first, second = (
+      f"=== prompt 0 (line 1) ===\n{_text(expected[0])}\n",
+      f"=== prompt 1 (line 2) ===\n{_text(expected[1])}\n",
+  )
+  assert stdout.getvalue() == first + second
+  kinds = [(kind, text) for kind, _, text in stdout.events]
+  i = kinds.index(("write", first))
+  assert kinds[i + 1] == ("flush", "")  # written whole, then flushed
+  assert stdout.events[i + 1][1] < clock.steps  # before the second answer was finished
+
+
+class _PipeReadOnce(io.TextIOBase):
+  """stdout as a pipe whose reader takes what the first flush sent and exits, like `| head -2`."""
+
+  def __init__(self, clock):
+    self.clock = clock
+    self.read_fd, self.write_fd = os.pipe()
+    self.received = b""
+    self.unread = False
+    self.closed_at = None
+
+  def fileno(self):
+    return self.write_fd
+
+  def write(self, s):
+    self.unread = True
+    return os.write(self.write_fd, s.encode("utf-8"))  # BrokenPipeError once the reader is gone
+
+  def flush(self):
+    """The reader takes everything written so far, then closes its end."""
+    if self.read_fd is not None and self.unread:
+      self.received = os.read(self.read_fd, 1 << 16)
+      os.close(self.read_fd)
+      self.read_fd, self.closed_at = None, self.clock.steps
+
+
+def test_a_reader_that_went_away_stops_a_prompts_file_run_at_the_next_step(tmp_path, monkeypatch, greedy):
+  path, expected = _short_then_long_file(tmp_path, greedy)
+  clock = _StepClock(monkeypatch)
+  stdout = _PipeReadOnce(clock)
+  monkeypatch.setattr(sys, "stdout", stdout)
+  try:
+    assert decode.main([BASE] + RUN + [f"prompts_file={path}"]) == 1  # as for any reader that closed stdout
+  finally:
+    os.close(stdout.write_fd)
+  assert stdout.received.decode() == f"=== prompt 0 (line 1) ===\n{_text(expected[0])}\n"
+  assert clock.steps == stdout.closed_at + 1  # not on until the second answer's write
 
 
 def _warnings(err):

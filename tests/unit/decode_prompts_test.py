@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext import decode
+from maxtext import decode, decode_run
 from maxtext.configs import load_config
 from maxtext.inference.engine import LLMEngine
 from maxtext.models import Transformer
@@ -87,7 +87,7 @@ def test_a_malformed_line_is_reported_and_nothing_is_decoded(tmp_path, capsys, m
   def no_model(*args, **kwargs):
     raise AssertionError(f"the model must not be built: LLM{args}{kwargs}")
 
-  monkeypatch.setattr(decode, "LLM", no_model)
+  monkeypatch.setattr(decode_run, "LLM", no_model)
   assert decode.main([BASE] + RUN + [f"prompts_file={path}"]) == 2
   captured = capsys.readouterr()
   assert captured.out == ""

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext import decode
+from maxtext import decode, decode_run
 from maxtext.checkpoint import model_loader
 from maxtext.configs import load_config
 from maxtext.inference import CompletionOutput, RequestOutput
@@ -192,14 +192,14 @@ def test_bad_input_exits_2_with_one_line(capsys, args, message):
 )
 def test_sampling_params_from_config_maps_the_off_values(keys, expected):
   cfg = load_config(max_new_tokens=7, decode_sampling_temperature=0.8, seed=11, **keys)
-  params = decode.sampling_params_from_config(cfg)
+  params = decode_run.sampling_params_from_config(cfg)
   assert (params.max_tokens, params.temperature, params.seed) == (7, 0.8, 11)
   assert (params.top_k, params.top_p, params.logprobs) == (expected["top_k"], expected["top_p"], expected["logprobs"])
 
 
 def test_max_new_tokens_0_is_max_target_length():
-  assert decode.sampling_params_from_config(load_config(max_target_length=77)).max_tokens == 77  # base.yml: 0
-  assert decode.sampling_params_from_config(load_config(max_target_length=77, max_new_tokens=5)).max_tokens == 5
+  assert decode_run.sampling_params_from_config(load_config(max_target_length=77)).max_tokens == 77  # base.yml: 0
+  assert decode_run.sampling_params_from_config(load_config(max_target_length=77, max_new_tokens=5)).max_tokens == 5
 
 
 def test_outputs_to_json_writes_every_request_and_the_stats():
@@ -215,7 +215,7 @@ def test_outputs_to_json_writes_every_request_and_the_stats():
   )
   without = CompletionOutput(index=0, text="", token_ids=(2,), logprobs=None, finish_reason="stop")
   outputs = [RequestOutput("0", "x", (1, 123), (with_lp,)), RequestOutput("1", None, (5,), (without,))]
-  doc = json.loads(decode.outputs_to_json(outputs, {"steps": 3, "wall_time_s": 0.25}))
+  doc = json.loads(decode_run.outputs_to_json(outputs, {"steps": 3, "wall_time_s": 0.25}))
   assert doc == {
       "requests": [
           {

@@ -1,27 +1,29 @@
 """`maxtext-decode` / `python -m maxtext.decode`: run a decode from a YAML config and `key=value` overrides.
 
     maxtext-decode configs/base.yml model_name=qwen3-next-tiny prompt="I love to" max_new_tokens=16
-    maxtext-decode configs/base.yml model_name=qwen3-next-tiny output_format=json
+    maxtext-decode configs/base.yml model_name=qwen3-next-tiny output_format=json max_new_tokens=8
     maxtext-decode configs/base.yml model_name=qwen3.5-tiny dry_run=true      # the cache layout, no model run
     maxtext-decode configs/base.yml model_name=smollm2-135m-instruct prompt="What is the capital of France?" \
         use_chat_template=true                                                 # a real model (fetch it first)
-    maxtext-decode configs/base.yml model_name=llama-tiny prompts_file=prompts.jsonl output_format=json
+    maxtext-decode configs/base.yml model_name=llama-tiny prompts_file=prompts.jsonl output_format=json max_new_tokens=8
 
 Text output streams the completion of a single prompt to stdout as it is generated; with `prompts_file=` (one
 prompt per line, or JSON Lines with "prompt" or "prompt_token_ids") all prompts are decoded together and each
-completion is printed after a `=== prompt K (line N) ===` header, in file order. `output_format=json` prints
-exactly one JSON object on stdout:
+completion is printed after a `=== prompt K (line N) ===` header, in file order, as soon as it and every earlier
+one are finished. `output_format=json` prints exactly one JSON object on stdout, at the end:
 `{"requests": [{"prompt_token_ids", "output_token_ids", "text", "finish_reason", "logprobs"}], "stats": {...}}`
-(finish_reason: "stop" at eos or a stop token, "length" at max_new_tokens or max_target_length). Logs and progress
-go to stderr. Bad input (unknown key, bad value, missing file) prints one line on stderr and exits with status 2;
-Ctrl-C exits with status 130.
+(finish_reason: "stop" at eos or a stop token, "length" at max_new_tokens or max_target_length). Without
+max_new_tokens (or with 0) a completion runs until eos, within max_target_length; text output gets one stderr
+warning when a completion stopped at a length limit instead. Logs and progress go to stderr. Bad input (unknown
+key, bad value, missing file) prints one line on stderr and exits with status 2; Ctrl-C exits with status 130.
 """
 
 from __future__ import annotations
 
+# Only the standard library here: `main` sets up Ctrl-C handling before it imports the CLI's work (JAX, Flax, the
+# models: seconds, in `run`), so an interrupt during those imports ends the CLI like one during decoding.
 import contextlib
 import gc
-import json
 import logging
 import os
 import signal
@@ -31,166 +33,25 @@ import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import ml_collections
-
-from maxtext.checkpoint import load_run_config
-from maxtext.configs.errors import MissingDependencyError
-from maxtext.inference.engine import make_kv_cache_manager
-from maxtext.inference import prompts as prompt_checks
-from maxtext.inference.llm import LLM, RequestOutput
-from maxtext.inference.prompts_file import FilePrompt, read_prompts_file
-from maxtext.inference.sampling_params import SamplingParams
-from maxtext.inference.scheduler import RequestNeverFitsError
-from maxtext.inference.streaming import TextStreamer
-from maxtext.integration.vllm.environment import PluginEnvironmentError
-
 USAGE = "usage: maxtext-decode [configs/base.yml] key=value ...  (see configs/base.yml for every key)"
-# Errors that mean "the input is wrong", reported as one line with exit status 2. Anything else is a bug: traceback.
-# RequestNeverFitsError: the configured cache pools (num_kv_blocks, block_size) are too small for the request.
-# OSError: a path that cannot be read (missing, a folder where a file is expected, no permission).
-# MissingDependencyError: an optional package the run needs (gguf, tokenizers, ...) is not installed.
-USER_ERRORS = (
-    ValueError,
-    TypeError,
-    NotImplementedError,
-    OSError,
-    KeyError,
-    RequestNeverFitsError,
-    MissingDependencyError,
-    PluginEnvironmentError,  # e.g. kernel_backend=tpu_inference without tpu-inference installed
-)
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 1  # the reader of stdout went away (`maxtext-decode --help | head -1`)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
-
-
-def sampling_params_from_config(cfg: ml_collections.FrozenConfigDict) -> SamplingParams:
-  """The decode keys as SamplingParams (MaxText conventions: top_k <= 0 and top_p <= 0 mean "off")."""
-  return SamplingParams(
-      max_tokens=cfg.max_new_tokens,
-      temperature=cfg.decode_sampling_temperature,
-      top_k=cfg.decode_sampling_top_k if cfg.decode_sampling_top_k > 0 else -1,
-      top_p=cfg.decode_sampling_nucleus_p if cfg.decode_sampling_nucleus_p > 0 else 1.0,
-      seed=cfg.seed,
-      logprobs=cfg.logprobs if cfg.logprobs > 0 else None,
-  )
-
-
-def format_layout(cfg: ml_collections.FrozenConfigDict) -> str:
-  """Each layer's kind, KV-cache group, physical slot, cache shapes/dtypes/bytes, and the total memory."""
-  return make_kv_cache_manager(cfg).format_layout()
-
-
-def _logprobs_json(output: Any) -> list[dict[str, Any]]:
-  if output.logprobs is None:
-    return []
-  return [
-      {"token_id": lp.token_id, "logprob": lp.logprob, "top": [[tid, value] for tid, value in lp.top]}
-      for lp in output.logprobs
-  ]
-
-
-def outputs_to_json(outputs: Sequence[RequestOutput], stats: dict[str, Any]) -> str:
-  """The CLI's JSON document."""
-  requests = []
-  for out in outputs:
-    completion = out.outputs[0]
-    requests.append(
-        {
-            "prompt_token_ids": list(out.prompt_token_ids),
-            "output_token_ids": list(completion.token_ids),
-            "text": completion.text,
-            "finish_reason": completion.finish_reason,
-            "logprobs": _logprobs_json(completion),
-        }
-    )
-  return json.dumps({"requests": requests, "stats": stats})
+INTERRUPTED = "maxtext-decode: interrupted"
 
 
 def run(argv: Sequence[str], cancel: threading.Event | None = None) -> int:
   """Runs the CLI on `argv` (without the program name); returns the exit status. Setting `cancel` stops the
-  generation before its next step (KeyboardInterrupt, its requests aborted)."""
-  args = list(argv)
-  config_path = args.pop(0) if args and "=" not in args[0] else None
-  cfg = load_run_config(([config_path] if config_path else []) + args)
-  if cfg.dry_run:
-    print(format_layout(cfg))
-    return 0
-  prompts = cli_prompts(cfg)  # a malformed prompts_file fails here, before the model is built
-  llm = LLM(config=cfg)
-  params = sampling_params_from_config(cfg)
-  report_length_cap(cfg, llm, prompts, params)
-  if cfg.output_format == "json":
-    outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True, cancel=cancel)
-    print(outputs_to_json(outputs, llm.engine.stats.as_dict()))
-  elif len(prompts) == 1 and not cfg.prompts_file:
-    outputs = generate_streaming(llm, prompts[0].prompt, params, cancel)
-  else:
-    outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True, cancel=cancel)
-    print_completions(prompts, outputs)
-  return 0
+  generation before its next step (KeyboardInterrupt, its requests aborted). See `maxtext.decode_run.run`."""
+  from maxtext import decode_run  # pylint: disable=import-outside-toplevel  # seconds of imports: after the handler
+
+  return decode_run.run(argv, cancel)
 
 
-def cli_prompts(cfg: ml_collections.FrozenConfigDict) -> list[FilePrompt]:
-  """The prompts of a run: `prompts_file`'s (checked whole), else `prompt_token_ids`, else `prompt` (line 0).
-
-  Raises:
-    ValueError: an empty prompt, `prompt` text that is not valid UTF-8 (naming the key), prompts_file together
-      with prompt_token_ids, or a malformed prompts_file line.
-  """
-  if cfg.prompts_file:
-    if cfg.prompt_token_ids:
-      raise ValueError("prompts_file and prompt_token_ids are both set; set one")
-    return read_prompts_file(cfg.prompts_file)
-  if cfg.prompt_token_ids:
-    return [FilePrompt(0, list(cfg.prompt_token_ids))]
-  if not cfg.prompt:
-    raise ValueError("prompt is empty: set prompt=... or prompt_token_ids=[...]")
-  prompt_checks.check_text(cfg.prompt, "prompt")
-  return [FilePrompt(0, cfg.prompt)]
-
-
-def generate_streaming(
-    llm: LLM, prompt: Any, params: SamplingParams, cancel: threading.Event | None = None
-) -> list[RequestOutput]:
-  """Generates one completion, writing its text to stdout token by token (no progress bar)."""
-  streamer = TextStreamer(llm.tokenizer.decode, sys.stdout)
-  outputs = llm.generate([prompt], params, on_token=streamer.on_token, cancel=cancel)
-  streamer.finish()
-  return outputs
-
-
-def print_completions(prompts: Sequence[FilePrompt], outputs: Sequence[RequestOutput]) -> None:
-  """Each completion after a `=== prompt K (line N) ===` header, in input order."""
-  for k, (prompt, out) in enumerate(zip(prompts, outputs)):
-    print(f"=== prompt {k} (line {prompt.line}) ===")
-    print(out.outputs[0].text)
-
-
-def report_length_cap(
-    cfg: ml_collections.FrozenConfigDict, llm: LLM, prompts: Sequence[FilePrompt], params: SamplingParams
-) -> None:
-  """One stderr line, before decoding, when max_target_length leaves fewer than max_new_tokens after a prompt.
-
-  Generation stops at max_target_length anyway (finish reason "length", the API's documented rule); the CLI says
-  so once instead of letting a progress bar promise tokens that will never be generated. Prompt lengths are those
-  of the ids the model receives (after the chat template when `use_chat_template=true`).
-  """
-  limit, wanted = cfg.max_target_length, params.max_tokens
-  lengths = [len(llm.prompt_token_ids(p.prompt)) for p in prompts]
-  reachable = [prompt_checks.num_generatable_tokens(n, wanted, limit) for n in lengths]
-  capped = sorted((r, n) for r, n in zip(reachable, lengths) if 1 <= r < wanted)  # r < 1: the scheduler says it
-  if not capped:
-    return
-  fewest, length = capped[0]
-  if len(prompts) == 1:
-    detail = f"leaves room for {fewest} tokens after the {length}-token prompt; generating at most {fewest}"
-  else:
-    detail = (
-        f"leaves room for fewer tokens after {len(capped)} of {len(prompts)} prompts (as few as {fewest} after a"
-        f" {length}-token prompt); each generates at most what fits"
-    )
-  print(f"maxtext-decode: warning: max_new_tokens={wanted} but max_target_length={limit} {detail}", file=sys.stderr)
+def _user_errors() -> tuple[type[BaseException], ...]:
+  """The exceptions that mean "the input is wrong" (`decode_run.USER_ERRORS`), once that module is imported."""
+  module = sys.modules.get("maxtext.decode_run")
+  return module.USER_ERRORS if module is not None else ()
 
 
 def _print_usage() -> int:
@@ -220,6 +81,51 @@ def _in_gc_callback(frame: types.FrameType | None) -> bool:
   return False
 
 
+def _open_progress_bars() -> list[Any]:
+  """The tqdm progress bars that are drawn and not closed (tqdm keeps them in a class-level set)."""
+  tqdm_module = sys.modules.get("tqdm")
+  if tqdm_module is None:
+    return []
+  return [p for p in list(getattr(tqdm_module.tqdm, "_instances", ())) if not getattr(p, "disable", True)]
+
+
+def _end_progress_bars() -> None:
+  """Closes the progress bars an interrupt left open, which ends their line on stderr. A loader's bar lives in a
+  generator that is only closed once the interrupt's traceback is dropped, after the CLI's message."""
+  for progress in _open_progress_bars():
+    try:
+      progress.close()
+    except (OSError, ValueError):  # a stream closed under it: there is no line to end
+      pass
+
+
+def _is_terminal(stream: Any) -> bool:
+  try:
+    return stream.isatty()
+  except (AttributeError, OSError, ValueError):
+    return False
+
+
+def _exit_interrupted(signum: int, frame: types.FrameType | None) -> None:
+  """The program's SIGINT handler: the interrupted line on stderr, then the process ends with status 130 at once.
+
+  Nothing the program does needs undoing, and raising KeyboardInterrupt is not safe everywhere: inside an extension
+  module's initialisation (an import) it is printed as a traceback by NumPy's import_array or crashes the process
+  (SIGSEGV, seen while jaxlib's loaded), inside a gc callback it is printed and swallowed, and the interpreter's
+  shutdown would wait for a thread compiling with XLA. The line starts a line of its own: after a progress bar, and
+  on a terminal, where the echoed ^C or streamed text ends the current line without a newline.
+  """
+  del signum, frame
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, RuntimeError, ValueError):  # a closed pipe, or the signal came inside a write to the stream
+      pass
+  newline = bool(_open_progress_bars()) or (_is_terminal(sys.stderr) and _is_terminal(sys.stdout))
+  os.write(2, (("\n" if newline else "") + INTERRUPTED + "\n").encode("utf-8"))
+  os._exit(EXIT_INTERRUPTED)  # pylint: disable=protected-access  # exits without unwinding or joining threads
+
+
 @contextlib.contextmanager
 def _cancel_on_sigint() -> Iterator[threading.Event]:
   """Within the block, Ctrl-C sets the yielded event as well as raising KeyboardInterrupt. Native code (XLA) that
@@ -245,24 +151,42 @@ def _cancel_on_sigint() -> Iterator[threading.Event]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Console entry point: user errors become one line on stderr and exit status 2; Ctrl-C exits 130."""
-  args = sys.argv[1:] if argv is None else list(argv)
-  logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-  with _cancel_on_sigint() as cancel:
+  """Console entry point: user errors become one line on stderr and exit status 2 (no argument at all: the usage
+  line); Ctrl-C exits 130 with one line.
+
+  Without `argv`, main is the program (`sys.argv`): its first act is a SIGINT handler that ends the process at once
+  (`_exit_interrupted`), before the seconds of imports, and left in place for the interpreter's shutdown. With
+  `argv` (called in-process), Ctrl-C raises KeyboardInterrupt, which aborts the run's requests and returns 130.
+  """
+  program = argv is None
+  if program and threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGINT, _exit_interrupted)
+  args = sys.argv[1:] if program else list(argv)
+  if not args:
+    # Without any argument the run would decode the base config's random-weight model: almost surely not meant.
+    print(USAGE, file=sys.stderr)
+    return EXIT_USAGE
+  with contextlib.nullcontext(threading.Event()) if program else _cancel_on_sigint() as cancel:
     try:
-      status = _print_usage() if args and args[0] in ("-h", "--help") else run(args, cancel)
+      logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+      status = _print_usage() if args[0] in ("-h", "--help") else run(args, cancel)
       sys.stdout.flush()  # a closed pipe raises here, inside the handler, rather than at interpreter exit
       return status
-    except USER_ERRORS as e:
+    except BaseException as e:  # pylint: disable=broad-exception-caught  # each kind is sorted out below
+      # Ctrl-C raises KeyboardInterrupt, which a library may turn into its own error (NumPy, interrupted while it
+      # imports, raises ImportError); the event says the user asked to stop either way.
+      if isinstance(e, KeyboardInterrupt) or cancel.is_set():
+        _end_progress_bars()
+        print(INTERRUPTED, file=sys.stderr)
+        return EXIT_INTERRUPTED
       if isinstance(e, BrokenPipeError):
         _silence_stdout()
         return EXIT_BROKEN_PIPE
+      if not isinstance(e, _user_errors()):
+        raise
       message = " ".join(str(e).split()) or type(e).__name__
       print(f"maxtext-decode: error: {message}", file=sys.stderr)
       return EXIT_USAGE
-    except KeyboardInterrupt:
-      print("maxtext-decode: interrupted", file=sys.stderr)
-      return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

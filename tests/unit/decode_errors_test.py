@@ -35,8 +35,8 @@ def _error_line(capsys):
         # Python hands undecodable argv bytes over as surrogate escapes (b"\xff" -> "\udcff").
         (["prompt=ab\udcff"], "prompt is not valid UTF-8 text: byte 0xff at character 2; give UTF-8 text or token ids"),
         (["prompt=\ud800"], "prompt is not valid UTF-8 text: lone surrogate U+D800 at character 0"),
-        (["max_new_tokens=0"], "max_new_tokens=0: must be > 0"),
-        (["max_new_tokens=-3"], "max_new_tokens=-3: must be > 0"),
+        (["max_new_tokens=-1"], "max_new_tokens=-1: must be >= 0 (0 = until eos, within max_target_length)"),
+        (["max_new_tokens=-3"], "max_new_tokens=-3: must be >= 0"),
         (
             ["hf_model_path=/nonexistent", "model_name=llama-tiny"],
             "hf_model_path='/nonexistent' and model_name='llama-tiny' both name the model; set one",

@@ -6,6 +6,7 @@ with full-sequence forwards (as in decode_test.py).
 
 import io
 import json
+import os
 import pathlib
 import sys
 
@@ -15,8 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext import decode
+from maxtext import decode, decode_run
 from maxtext.configs import load_config
+from maxtext.inference.engine import LLMEngine
 from maxtext.models import Transformer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -85,7 +87,7 @@ def test_a_malformed_line_is_reported_and_nothing_is_decoded(tmp_path, capsys, m
   def no_model(*args, **kwargs):
     raise AssertionError(f"the model must not be built: LLM{args}{kwargs}")
 
-  monkeypatch.setattr(decode, "LLM", no_model)
+  monkeypatch.setattr(decode_run, "LLM", no_model)
   assert decode.main([BASE] + RUN + [f"prompts_file={path}"]) == 2
   captured = capsys.readouterr()
   assert captured.out == ""
@@ -135,6 +137,149 @@ def test_max_new_tokens_beyond_max_target_length_is_reported_once(tmp_path, caps
   assert capped  # the seeded random model does not stop at eos before max_target_length for these prompts
   assert len(warnings) == 1, captured.err
   assert "max_new_tokens=40 but max_target_length=32 leaves room for fewer tokens after 2 of 2 prompts" in warnings[0]
+
+
+class _StepClock:
+  """Counts engine steps (LLMEngine.step calls) so a test can tell when output was written."""
+
+  def __init__(self, monkeypatch):
+    self.steps = 0
+    real_step = LLMEngine.step
+
+    def counted(engine):
+      self.steps += 1
+      return real_step(engine)
+
+    monkeypatch.setattr(LLMEngine, "step", counted)
+
+
+class _TimedStdout(io.StringIO):
+  """stdout that records the step count at every write and flush."""
+
+  def __init__(self, clock):
+    super().__init__()
+    self.clock = clock
+    self.events = []
+
+  def write(self, s):
+    self.events.append(("write", self.clock.steps, s))
+    return super().write(s)
+
+  def flush(self):
+    self.events.append(("flush", self.clock.steps, ""))
+    super().flush()
+
+
+def _short_then_long_file(tmp_path, greedy):
+  """A prompts file whose first answer ends long before its second: max_target_length=32 leaves room for 6 tokens
+  after the 26-id prompt of line 1 and for 29 after "Hi" (line 2). Returns (path, expected tokens per line)."""
+  long_prompt = list(range(3, 29))
+  path = tmp_path / "prompts.jsonl"
+  path.write_text(json.dumps({"prompt_token_ids": long_prompt}) + "\n" + json.dumps({"prompt": "Hi"}) + "\n")
+  expected = [greedy(long_prompt, 1000), greedy(_ids("Hi"), 1000)]
+  assert len(expected[0]) < len(expected[1]) - 5  # the seeded model's first answer ends well before the second
+  return path, expected
+
+
+def test_prompts_file_text_writes_each_completion_as_soon_as_it_is_ready(tmp_path, monkeypatch, greedy):
+  path, expected = _short_then_long_file(tmp_path, greedy)
+  clock = _StepClock(monkeypatch)
+  stdout = _TimedStdout(clock)
+  monkeypatch.setattr(sys, "stdout", stdout)
+  assert decode.main([BASE] + RUN + [f"prompts_file={path}"]) == 0
+  first, second = (
+      f"=== prompt 0 (line 1) ===\n{_text(expected[0])}\n",
+      f"=== prompt 1 (line 2) ===\n{_text(expected[1])}\n",
+  )
+  assert stdout.getvalue() == first + second
+  kinds = [(kind, text) for kind, _, text in stdout.events]
+  i = kinds.index(("write", first))
+  assert kinds[i + 1] == ("flush", "")  # written whole, then flushed
+  assert stdout.events[i + 1][1] < clock.steps  # before the second answer was finished
+
+
+class _PipeReadOnce(io.TextIOBase):
+  """stdout as a pipe whose reader takes what the first flush sent and exits, like `| head -2`."""
+
+  def __init__(self, clock):
+    self.clock = clock
+    self.read_fd, self.write_fd = os.pipe()
+    self.received = b""
+    self.unread = False
+    self.closed_at = None
+
+  def fileno(self):
+    return self.write_fd
+
+  def write(self, s):
+    self.unread = True
+    return os.write(self.write_fd, s.encode("utf-8"))  # BrokenPipeError once the reader is gone
+
+  def flush(self):
+    """The reader takes everything written so far, then closes its end."""
+    if self.read_fd is not None and self.unread:
+      self.received = os.read(self.read_fd, 1 << 16)
+      os.close(self.read_fd)
+      self.read_fd, self.closed_at = None, self.clock.steps
+
+
+def test_a_reader_that_went_away_stops_a_prompts_file_run_at_the_next_step(tmp_path, monkeypatch, greedy):
+  path, expected = _short_then_long_file(tmp_path, greedy)
+  clock = _StepClock(monkeypatch)
+  stdout = _PipeReadOnce(clock)
+  monkeypatch.setattr(sys, "stdout", stdout)
+  try:
+    assert decode.main([BASE] + RUN + [f"prompts_file={path}"]) == 1  # as for any reader that closed stdout
+  finally:
+    os.close(stdout.write_fd)
+  assert stdout.received.decode() == f"=== prompt 0 (line 1) ===\n{_text(expected[0])}\n"
+  assert clock.steps == stdout.closed_at + 1  # not on until the second answer's write
+
+
+def _warnings(err):
+  return [line for line in err.splitlines() if line.startswith("maxtext-decode: ")]
+
+
+def test_without_max_new_tokens_a_completion_runs_until_eos_within_max_target_length(capsys, greedy):
+  expected = greedy(_ids("I love"), 1000)  # stops at eos or at max_target_length=32
+  assert len(expected) > 16 and EOS not in expected  # longer than the old default cap; cut by max_target_length
+  assert decode.main([BASE] + RUN + ["prompt=I love", "output_format=json"]) == 0
+  captured = capsys.readouterr()
+  (request,) = json.loads(captured.out)["requests"]
+  assert request["output_token_ids"] == expected and request["finish_reason"] == "length"
+  assert _warnings(captured.err) == []  # JSON output tells it in finish_reason
+
+  assert decode.main([BASE] + RUN + ["prompt=I love"]) == 0
+  captured = capsys.readouterr()
+  assert captured.out == _text(expected) + "\n"
+  assert _warnings(captured.err) == [
+      "maxtext-decode: warning: the answer stopped at max_target_length=32 (prompt + answer) without reaching eos;"
+      " raise max_target_length"
+  ]
+
+
+def test_a_text_answer_cut_by_max_new_tokens_is_said_once(tmp_path, capsys, greedy):
+  assert EOS not in greedy(_ids("I love"), 3)
+  assert decode.main([BASE] + RUN + ["prompt=I love", "max_new_tokens=3"]) == 0
+  assert _warnings(capsys.readouterr().err) == [
+      "maxtext-decode: warning: the answer stopped at max_new_tokens=3 without reaching eos; raise it, or set it to"
+      " 0 (the default) to stop only at eos or max_target_length=32"
+  ]
+  path = tmp_path / "prompts.txt"
+  path.write_text("I love\nHello there\n", encoding="utf-8")
+  assert EOS not in greedy(_ids("Hello there"), 3)
+  assert decode.main([BASE] + RUN + [f"prompts_file={path}", "max_new_tokens=3"]) == 0
+  (warning,) = _warnings(capsys.readouterr().err)
+  assert warning.startswith("maxtext-decode: warning: 2 of 2 answers stopped at max_new_tokens=3 without reaching eos;")
+
+
+def test_a_cap_announced_before_decoding_is_not_said_again(capsys, greedy):
+  # max_target_length=32 leaves 25 tokens after the 7-token prompt: the warning before decoding says so; the answer
+  # that stops there was not cut by max_new_tokens=100.
+  assert EOS not in greedy(_ids("I love"), 100)
+  assert decode.main([BASE] + RUN + ["prompt=I love", "max_new_tokens=100"]) == 0
+  (warning,) = _warnings(capsys.readouterr().err)
+  assert warning.startswith("maxtext-decode: warning: max_new_tokens=100 but max_target_length=32 leaves room for 25")
 
 
 def test_use_chat_template_without_a_template_is_one_error(capsys):

@@ -8,6 +8,7 @@ greedily with full-sequence forwards. tests/integration/cli_test.py runs the sam
 import json
 import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext import decode
+from maxtext import decode, decode_run
 from maxtext.checkpoint import model_loader
 from maxtext.configs import load_config
 from maxtext.inference import CompletionOutput, RequestOutput
@@ -133,6 +134,19 @@ def test_help_prints_the_usage_and_exits_0(capsys, flag):
   assert out.startswith(decode.USAGE) and "output_format=json" in out
 
 
+@pytest.mark.parametrize("argv", [[], None])
+def test_no_argument_prints_the_usage_on_stderr_and_exits_2(capsys, monkeypatch, argv):
+  monkeypatch.setattr(sys, "argv", ["maxtext-decode"])  # main(None) reads the program's own arguments
+
+  def no_run(*args):
+    raise AssertionError(f"nothing must be decoded: run{args}")
+
+  monkeypatch.setattr(decode, "run", no_run)
+  assert decode.main(argv) == 2
+  captured = capsys.readouterr()
+  assert captured.err == decode.USAGE + "\n" and captured.out == ""
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -144,7 +158,7 @@ def test_help_prints_the_usage_and_exits_0(capsys, flag):
         (["/nonexistent/base.yml"], r"config file '/nonexistent/base.yml' does not exist"),
         ([BASE, "max_target_length=4"], r"the prompt has 10 tokens but must be shorter than max_target_length=4"),
         ([BASE, "prompt="], r"prompt is empty: set prompt=\.\.\. or prompt_token_ids=\[\.\.\.\]"),
-        ([BASE, "max_new_tokens=0"], r"max_new_tokens=0: must be > 0"),
+        ([BASE, "max_new_tokens=-1"], r"max_new_tokens=-1: must be >= 0 \(0 = until eos, within max_target_length\)"),
         ([BASE, "kernel_backend=tpu_inference"], r"kernel_backend=tpu_inference needs the tpu-inference package"),
     ],
 )
@@ -178,9 +192,14 @@ def test_bad_input_exits_2_with_one_line(capsys, args, message):
 )
 def test_sampling_params_from_config_maps_the_off_values(keys, expected):
   cfg = load_config(max_new_tokens=7, decode_sampling_temperature=0.8, seed=11, **keys)
-  params = decode.sampling_params_from_config(cfg)
+  params = decode_run.sampling_params_from_config(cfg)
   assert (params.max_tokens, params.temperature, params.seed) == (7, 0.8, 11)
   assert (params.top_k, params.top_p, params.logprobs) == (expected["top_k"], expected["top_p"], expected["logprobs"])
+
+
+def test_max_new_tokens_0_is_max_target_length():
+  assert decode_run.sampling_params_from_config(load_config(max_target_length=77)).max_tokens == 77  # base.yml: 0
+  assert decode_run.sampling_params_from_config(load_config(max_target_length=77, max_new_tokens=5)).max_tokens == 5
 
 
 def test_outputs_to_json_writes_every_request_and_the_stats():
@@ -196,7 +215,7 @@ def test_outputs_to_json_writes_every_request_and_the_stats():
   )
   without = CompletionOutput(index=0, text="", token_ids=(2,), logprobs=None, finish_reason="stop")
   outputs = [RequestOutput("0", "x", (1, 123), (with_lp,)), RequestOutput("1", None, (5,), (without,))]
-  doc = json.loads(decode.outputs_to_json(outputs, {"steps": 3, "wall_time_s": 0.25}))
+  doc = json.loads(decode_run.outputs_to_json(outputs, {"steps": 3, "wall_time_s": 0.25}))
   assert doc == {
       "requests": [
           {

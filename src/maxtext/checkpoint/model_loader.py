@@ -10,13 +10,10 @@ from flax import nnx
 
 from maxtext.checkpoint import gguf, hf, orbax
 from maxtext.configs import ConfigError, load_config
-from maxtext.configs.loader import DEFAULT_MODEL_NAME
+from maxtext.configs.loader import DEFAULT_MODEL_NAME, merge_layers
 from maxtext.models import Transformer, abstract_model, assign_params
 
 logger = logging.getLogger(__name__)
-
-# The keys that say where a model's keys come from (a model YAML may name a checkpoint).
-SOURCE_KEYS = ("model_name", "hf_model_path", "gguf_model_path")
 
 
 def load_model(
@@ -65,43 +62,36 @@ def load_run_config(argv: Sequence[str] = (), **overrides: Any) -> ml_collection
       config.json or `gguf_model_path` does not exist; NotImplementedError: an unsupported architecture;
       GGUFError: an unreadable GGUF file.
   """
-  # Where the model keys come from is read first from the source keys alone: the other overrides (e.g.
-  # num_kv_shared_layers=2) are validated once, against the model the checkpoint describes, not base.yml's.
-  cfg = load_config(_source_argv(argv), **{k: v for k, v in overrides.items() if k in SOURCE_KEYS})
-  if cfg.hf_model_path and cfg.gguf_model_path:
+  # Only the source keys are read here: the other keys are validated together once the model keys are known, so
+  # that e.g. prompt_token_ids is checked against the checkpoint's vocabulary, not base.yml's.
+  values = merge_layers(argv, **overrides)
+  hf_path, gguf_path = values["hf_model_path"], values["gguf_model_path"]
+  if hf_path and gguf_path:
     raise ConfigError(
-        f"hf_model_path={cfg.hf_model_path!r} and gguf_model_path={cfg.gguf_model_path!r} are both set; set one"
+        f"hf_model_path={hf_path!r} and gguf_model_path={gguf_path!r} are both set; set one"
         " (the model keys come from either)"
     )
-  if cfg.gguf_model_path:
-    return gguf.load_gguf_config(cfg.gguf_model_path, argv, **overrides)
-  if not cfg.hf_model_path:
+  if gguf_path:
+    return gguf.load_gguf_config(gguf_path, argv, **overrides)
+  if not hf_path:
     return load_config(argv, **overrides)
-  check_hf_model_source(cfg)
-  return hf.load_hf_config(cfg.hf_model_path, argv, **overrides)
+  check_hf_model_source(hf_path, values["model_name"])
+  return hf.load_hf_config(hf_path, argv, **overrides)
 
 
-def _source_argv(argv: Sequence[str]) -> list[str]:
-  """argv's base YAML (if any) and its `key=value` items of the source keys only."""
-  args = list(argv)
-  head = [args.pop(0)] if args and "=" not in args[0] else []
-  return head + [arg for arg in args if "=" in arg and arg.split("=", 1)[0].strip() in SOURCE_KEYS]
-
-
-def check_hf_model_source(cfg: ml_collections.FrozenConfigDict) -> None:
+def check_hf_model_source(path: str, model_name: str) -> None:
   """Raises when `hf_model_path` cannot be the model's source: a file, or set together with `model_name`.
 
   Raises:
     ConfigError: naming both keys, or saying the path is not a folder.
   """
-  path = cfg.hf_model_path
   if os.path.exists(path) and not os.path.isdir(path):
     raise ConfigError(
         f"hf_model_path={path!r} is a file, not a folder; give the Hugging Face folder holding config.json,"
         " *.safetensors and tokenizer.json"
     )
-  if cfg.model_name != DEFAULT_MODEL_NAME:
+  if model_name != DEFAULT_MODEL_NAME:
     raise ConfigError(
-        f"hf_model_path={path!r} and model_name={cfg.model_name!r} both name the model; set one (the model keys"
+        f"hf_model_path={path!r} and model_name={model_name!r} both name the model; set one (the model keys"
         " come from the folder's config.json, so model_name would be ignored)"
     )

@@ -82,7 +82,6 @@ _POSITIVE = (
     "ici_data_parallelism",
     "ici_expert_parallelism",
     "rope_original_max_position_embeddings",
-    "max_new_tokens",
 )
 _NON_NEGATIVE = (
     "sliding_window_size",
@@ -168,6 +167,8 @@ def validate(values: Mapping[str, Any]) -> None:
   for key in _NON_NEGATIVE:
     if values[key] < 0:
       raise _fail(key, values[key], "must be >= 0")
+  if values["max_new_tokens"] < 0:
+    raise _fail("max_new_tokens", values["max_new_tokens"], "must be >= 0 (0 = until eos, within max_target_length)")
   hq, hkv = values["base_num_query_heads"], values["base_num_kv_heads"]
   if hq % hkv:
     raise _fail("base_num_query_heads", hq, f"must be divisible by base_num_kv_heads={hkv}")

@@ -136,23 +136,12 @@ def _parse_argv(argv: Sequence[str]) -> tuple[str, dict[str, str]]:
   return base_path, overrides
 
 
-def load_config(argv: Sequence[str] = (), **overrides: Any) -> ml_collections.FrozenConfigDict:
-  """Loads, validates and derives a configuration.
-
-  Order (later wins): the base YAML (argv[0] if it is a .yml path, else the package's base.yml), then
-  `models/<model_name>.yml`, then the `key=value` items of argv and the keyword arguments (one layer: a key may
-  not be set in both).
-
-  Args:
-    argv: optional base YAML path followed by `key=value` strings, as on the MaxText command line.
-    **overrides: typed overrides, e.g. `model_name="qwen3-next-tiny", dtype="bfloat16"`.
-
-  Returns:
-    An immutable, hashable config: every base.yml key plus the derived values of `derived.derive`.
+def merge_layers(argv: Sequence[str] = (), **overrides: Any) -> dict[str, Any]:
+  """The values of `load_config`'s layers (base YAML, model YAML, overrides), each key's type checked, before the
+  keys are validated together and derived values are added.
 
   Raises:
-    ConfigError: an unknown key (with the closest known key), a key set twice in one layer, a value of the wrong
-      type, or an inconsistent combination of values.
+    ConfigError: an unknown key, a key set twice in one layer, or a value of the wrong type.
   """
   if isinstance(argv, str):
     raise ConfigError(f"argv must be a sequence of strings, got the string {argv!r}")
@@ -179,10 +168,31 @@ def load_config(argv: Sequence[str] = (), **overrides: Any) -> ml_collections.Fr
     values.update(model_layer)
   values.update(override_layer)
   values["model_name"] = model_name
+  logger.debug("merged config %s with overrides %s", model_name, sorted(override_layer))
+  return values
 
+
+def load_config(argv: Sequence[str] = (), **overrides: Any) -> ml_collections.FrozenConfigDict:
+  """Loads, validates and derives a configuration.
+
+  Order (later wins): the base YAML (argv[0] if it is a .yml path, else the package's base.yml), then
+  `models/<model_name>.yml`, then the `key=value` items of argv and the keyword arguments (one layer: a key may
+  not be set in both).
+
+  Args:
+    argv: optional base YAML path followed by `key=value` strings, as on the MaxText command line.
+    **overrides: typed overrides, e.g. `model_name="qwen3-next-tiny", dtype="bfloat16"`.
+
+  Returns:
+    An immutable, hashable config: every base.yml key plus the derived values of `derived.derive`.
+
+  Raises:
+    ConfigError: an unknown key (with the closest known key), a key set twice in one layer, a value of the wrong
+      type, or an inconsistent combination of values.
+  """
+  values = merge_layers(argv, **overrides)
   derived.validate(values)
   values.update(derived.derive(values))
-  logger.debug("loaded config %s with overrides %s", model_name, sorted(override_layer))
   return ml_collections.FrozenConfigDict(values)
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -108,7 +108,7 @@ class LLM:
     as one user message through the model's chat template (see `apply_chat_template`). `on_token(prompt index,
     token id)` is called for every token as soon as it is sampled (in step order), e.g. to stream text. When
     `cancel` is set (from a signal handler or another thread), the call aborts its unfinished requests and raises
-    KeyboardInterrupt before its next step.
+    KeyboardInterrupt before its next step. `generate_iter` hands out each output as soon as it is ready instead.
 
     Raises:
       TypeError: `prompts` is not a string, a list of token ids or a list of those (bytes, None, a number), a
@@ -116,6 +116,24 @@ class LLM:
       ValueError: an empty prompt (`""` or `[]`), text that is not valid UTF-8, a list of SamplingParams whose
         length is not the number of prompts, or a prompt the scheduler rejects (too long, token ids outside the
         vocabulary). In every case no request of the call is queued and running requests are not disturbed.
+    """
+    return list(self.generate_iter(prompts, sampling_params, use_tqdm=use_tqdm, on_token=on_token, cancel=cancel))
+
+  def generate_iter(
+      self,
+      prompts: str | Sequence[str] | Sequence[Sequence[int]],
+      sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+      *,
+      use_tqdm: bool = False,
+      on_token: Callable[[int, int], None] | None = None,
+      cancel: threading.Event | None = None,
+  ) -> Iterator[RequestOutput]:
+    """`generate` as an iterator: yields each prompt's output, in prompt order, as soon as it and every earlier
+    prompt's output are finished (the later prompts keep decoding together between the yields).
+
+    The prompts and sampling params are checked here, before the iterator is returned (the errors of `generate`);
+    the requests are queued when the first output is asked for, so the scheduler's rejections come from that first
+    `next()`. Closing the iterator early (or an exception while it runs) aborts the call's unfinished requests.
     """
     prompts = prompt_checks.normalize_prompts(prompts)
     if sampling_params is None:
@@ -129,6 +147,17 @@ class LLM:
       raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; give one or one each")
     # Every prompt is converted and checked before any is queued, so a bad one leaves no request behind.
     prepared = [self._prompt_ids(prompt, i) for i, prompt in enumerate(prompts)]
+    return self._run(prepared, list(sampling_params), use_tqdm, on_token, cancel)
+
+  def _run(
+      self,
+      prepared: Sequence[tuple[str | None, list[int]]],
+      sampling_params: Sequence[SamplingParams],
+      use_tqdm: bool,
+      on_token: Callable[[int, int], None] | None,
+      cancel: threading.Event | None,
+  ) -> Iterator[RequestOutput]:
+    """Queues the checked prompts, steps the engine until they are all finished, yields them in prompt order."""
     order = self.engine.add_requests([(ids, params) for (_, ids), params in zip(prepared, sampling_params)])
     texts = {rid: text for rid, (text, _) in zip(order, prepared)}
     positions = {rid: i for i, rid in enumerate(order)}
@@ -138,6 +167,7 @@ class LLM:
         prompt_checks.num_generatable_tokens(len(ids), p.max_tokens, limit)
         for (_, ids), p in zip(prepared, sampling_params)
     )
+    emitted = 0
     try:
       with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=not use_tqdm) as progress:
         while self.engine.has_unfinished_requests():
@@ -149,10 +179,18 @@ class LLM:
           if on_token is not None:
             _report_tokens(self.engine.last_sampled, positions, on_token)
           progress.update(self.engine.stats.generated_tokens - before)
-    except BaseException:
+          if emitted < len(order) and order[emitted] in done:
+            progress.clear()  # the caller may write to the terminal the bar is drawn on
+            while emitted < len(order) and order[emitted] in done:
+              emitted += 1
+              yield self._output(done[order[emitted - 1]], texts[order[emitted - 1]])
+            progress.refresh()
+      for rid in order[emitted:]:
+        emitted += 1
+        yield self._output(done[rid], texts[rid])
+    except BaseException:  # GeneratorExit included: the caller stopped asking
       self._abort_unfinished(order, done)
       raise
-    return [self._output(done[rid], texts[rid]) for rid in order]
 
   def abort_request(self, request_id: str) -> None:
     """Aborts a request of the engine (see `LLMEngine.abort_request`); `generate` reports it as "abort".

@@ -6,14 +6,16 @@ applied here, as its converter does), quantized tensors are compared with `gguf.
 original values within each type's quantization error, and canonical layouts are spelled out with numpy.
 """
 
+import json
 import struct
 
 import numpy as np
 import pytest
 
+from maxtext import decode
 from maxtext.checkpoint import gguf as gguf_loader
 from maxtext.checkpoint import load_model, load_run_config
-from maxtext.configs import ConfigError
+from maxtext.configs import ConfigError, load_config
 from maxtext.inference.tokenizer import HFTokenizer, tokenizer_from_config
 
 gguf = pytest.importorskip("gguf")
@@ -87,9 +89,12 @@ def _gguf_name(hf_name: str) -> str:
   return f"blk.{i}.{_TO_GGUF[rest]}"
 
 
-def write_model(path, arch="llama", weights=None, seed=0, quant=None, tokenizer_model="gpt2", template=TEMPLATE):
-  """Writes a tiny model GGUF; returns its Hugging Face weights (before quantization)."""
-  vocab = _vocab()
+def write_model(
+    path, arch="llama", weights=None, seed=0, quant=None, tokenizer_model="gpt2", template=TEMPLATE, extra_tokens=0
+):
+  """Writes a tiny model GGUF (its vocabulary grown by `extra_tokens` plain tokens); returns its Hugging Face
+  weights (before quantization)."""
+  vocab = _vocab() + [f"<extra_{i}>" for i in range(extra_tokens)]
   weights = weights if weights is not None else _hf_weights(np.random.default_rng(seed), len(vocab), arch == "qwen3")
   writer = gguf.GGUFWriter(str(path), arch)
   writer.add_block_count(LAYERS)
@@ -320,6 +325,22 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path):
   cfg = gguf_loader.load_gguf_config(path)
   with pytest.raises(gguf_loader.GGUFError, match=r"4 tensors this model does not use: 'blk.0.attn_k_norm.weight'"):
     gguf_loader.iter_gguf_params(path, cfg)
+
+
+def test_prompt_token_ids_are_checked_against_the_files_vocabulary(tmp_path, capsys):
+  path = tmp_path / "wide-vocab.gguf"
+  write_model(path, extra_tokens=400)
+  vocab = len(_vocab()) + 400
+  assert load_config().vocab_size < 600 < vocab  # id 600 is valid only with the file's vocabulary
+  cfg = load_run_config([f"gguf_model_path={path}", "prompt_token_ids=[1, 600, 5]"])
+  assert cfg.vocab_size == vocab and tuple(cfg.prompt_token_ids) == (1, 600, 5)
+  with pytest.raises(ConfigError, match=rf"token {vocab} must be in \[0, vocab_size={vocab}\)"):
+    load_run_config([f"gguf_model_path={path}", f"prompt_token_ids=[1, {vocab}]"])
+  # The reported command: a model YAML that names a GGUF file, token ids beyond base.yml's vocabulary.
+  args = ["model_name=smollm2-135m-instruct", f"gguf_model_path={path}", "prompt_token_ids=[1, 600, 5]"]
+  assert decode.main(args + ["max_new_tokens=2", "max_target_length=16", "output_format=json"]) == 0, capsys.readouterr()
+  (request,) = json.loads(capsys.readouterr().out)["requests"]
+  assert request["prompt_token_ids"] == [1, 600, 5] and 1 <= len(request["output_token_ids"]) <= 2
 
 
 def test_hf_and_gguf_paths_together_are_refused(llama_file, tmp_path):

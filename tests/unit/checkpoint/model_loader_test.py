@@ -1,10 +1,12 @@
 """Tests of building a model from a config's checkpoint keys."""
 
+import json
+
 import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext.checkpoint import hf, load_model, model_loader, save_params
+from maxtext.checkpoint import hf, load_model, load_run_config, model_loader, save_params
 from maxtext.configs import ConfigError, load_config
 from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm import adapter
@@ -28,6 +30,24 @@ def test_orbax_checkpoint_wins(tmp_path):
   path = save_params(tmp_path / "ckpt", source)
   loaded = load_model(load_config(model_name="llama-tiny", load_parameters_path=path, hf_model_path="/not/used"))
   _assert_same(get_flat_params(loaded), get_flat_params(source))
+
+
+def test_prompt_token_ids_are_checked_against_the_hf_folders_vocabulary(tmp_path):
+  config = {
+      "model_type": "llama",
+      "vocab_size": 1000,
+      "hidden_size": 64,
+      "intermediate_size": 128,
+      "num_hidden_layers": 2,
+      "num_attention_heads": 4,
+      "num_key_value_heads": 2,
+  }
+  (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+  assert load_config().vocab_size < 700  # id 700 is valid only with the folder's vocabulary
+  cfg = load_run_config([f"hf_model_path={tmp_path}", "prompt_token_ids=[1, 700]"])
+  assert cfg.vocab_size == 1000 and tuple(cfg.prompt_token_ids) == (1, 700)
+  with pytest.raises(ConfigError, match=r"token 1000 must be in \[0, vocab_size=1000\)"):
+    load_run_config([f"hf_model_path={tmp_path}", "prompt_token_ids=[1000]"])
 
 
 @pytest.mark.hf

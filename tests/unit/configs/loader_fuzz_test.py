@@ -10,7 +10,7 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from maxtext import decode
+from maxtext import decode, decode_run
 from maxtext.configs import load_config
 from maxtext.configs.errors import ConfigError
 from maxtext.configs.loader import BASE_CONFIG_PATH, base_key_types
@@ -35,7 +35,7 @@ def _accepts_or_config_error(argv):
     cfg = load_config(argv)
   except ConfigError:
     return None
-  decode.sampling_params_from_config(cfg)  # an accepted config must give valid SamplingParams
+  decode_run.sampling_params_from_config(cfg)  # an accepted config must give valid SamplingParams
   return cfg
 
 

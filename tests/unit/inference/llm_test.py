@@ -112,6 +112,36 @@ def test_one_sampling_params_per_prompt(llm, greedy):
   assert _tokens(outputs) == [greedy(prompts[0], 2)[0], greedy(prompts[1], 5)[0]]
 
 
+def test_generate_iter_yields_each_output_as_soon_as_it_and_the_earlier_ones_are_finished(llm, greedy):
+  short, long, middle = [5, 6, 7], [8, 9], [10, 11, 12]
+  params = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=12), SamplingParams(max_tokens=3)]
+  expected = [greedy(short, 2)[0], greedy(long, 12)[0], greedy(middle, 3)[0]]
+  assert len(expected[0]) < len(expected[2]) < len(expected[1])  # the seeded model meets no eos this early
+  outputs = llm.generate_iter([short, long, middle], params)
+  first = next(outputs)
+  assert _tokens([first]) == expected[:1]
+  assert llm.engine.has_unfinished_requests()  # the others are still decoding
+  # The third finishes before the second, but comes after it: prompt order.
+  assert _tokens(list(outputs)) == expected[1:]
+  assert llm.engine.all_free()
+
+
+def test_closing_generate_iter_early_aborts_the_unfinished_requests(llm, greedy):
+  outputs = llm.generate_iter([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=12)])
+  assert _tokens([next(outputs)]) == [greedy([5, 6, 7], 2)[0]]
+  outputs.close()
+  assert not llm.engine.scheduler.has_unfinished_requests() and llm.engine.all_free()
+  # The engine serves the next call as if nothing had happened (its first step reports the abort).
+  assert _tokens(llm.generate([8, 9], SamplingParams(max_tokens=3))) == [greedy([8, 9], 3)[0]]
+  assert not llm.engine.has_unfinished_requests()
+
+
+def test_generate_iter_checks_the_prompts_before_returning(llm):
+  with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+    llm.generate_iter([[5], []])
+  assert not llm.engine.has_unfinished_requests()
+
+
 def test_the_default_sampling_params_are_greedy_16_tokens(llm, greedy):
   outputs = llm.generate([3, 4, 5])
   assert _tokens(outputs) == [greedy([3, 4, 5], 16)[0]]

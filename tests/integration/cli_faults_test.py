@@ -184,24 +184,6 @@ def test_ctrl_c_while_the_weights_load_ends_the_progress_bar_line_first(tmp_path
   assert done < total == 146, bar_line
 
 
-@pytest.mark.hf
-@pytest.mark.slow
-def test_ctrl_c_while_the_example_model_loads_starts_the_message_on_its_own_line(example_gguf):
-  # Early in this file's loading an interrupt often lands outside the loader's generator, whose bar then stays open
-  # until after the message: the message used to be appended to the bar's line.
-  proc = _start(
-      ["configs/base.yml", f"gguf_model_path={example_gguf}", "prompt_token_ids=[1, 9690, 198]", "max_new_tokens=2"],
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-  )
-  with _killed_on_failure(proc):
-    before = _wait_for(proc, rb"Loading SmolLM2[^:]*: +[1-9]%", timeout=300)
-  out, err = _interrupt(proc, before)
-  assert out == b""
-  *_, bar_line, message, end = err.split("\n")
-  assert message == "maxtext-decode: interrupted" and end == "" and "Loading SmolLM2" in bar_line
-
-
 def test_ctrl_c_mid_decode_exits_130_without_a_traceback():
   proc = _start(LONG_RUN, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   # The progress bar has counted generated tokens (its first render, "0/4000", comes before the first step).

@@ -294,8 +294,8 @@ class LLMEngine:
       self.state = state
     # The weights move onto 2 MiB pages in a thread (a decode step reads them all; see `huge_pages`), started when
     # the first step has run: moving them while the first programs compile (the background decode step, the first
-    # prefill) made a hybrid model's load and first call 1.2-2 s slower on two cores. Steps run meanwhile, a little
-    # slower until it is done. `huge_page_bytes` is None until then.
+    # prefill) would take a core from those compiles and delay the first call. Steps run meanwhile, a little slower
+    # until it is done. `huge_page_bytes` is None until then.
     self.huge_page_bytes: int | None = None
     self._huge_pages: threading.Thread | None = None
     self._huge_pages_pending = bool(cfg.huge_page_weights) and jax.default_backend() == "cpu"
@@ -432,8 +432,8 @@ class LLMEngine:
 
     The row list is padded with an out-of-range row, which the update drops, to at least the request-row count:
     one program serves every step that zeroes up to that many slots, and the engine compiles it when it starts
-    (run eagerly, the first reuse of a slot compiled for about 0.4 s in a request's path, and every later zeroing
-    dispatched one op per state array).
+    (run eagerly, the first reuse of a slot would compile in a request's path, and every later zeroing would
+    dispatch one op per state array).
     """
     for s in self.recurrent_slots:
       states = self.kv_caches[s]
@@ -626,7 +626,7 @@ def greedy_token_ids(logits: jax.Array) -> jax.Array:
   """The first index of each row's maximum (`argmax` for rows of finite values), as int32, traced.
 
   Two plain reductions (the row maximum, then the smallest index holding it) instead of `argmax`'s paired
-  value-index reduction, which XLA on CPU runs about 4x slower over a 32000-entry vocabulary. A row holding NaN
+  value-index reduction, which XLA's CPU backend runs far slower over a vocabulary-wide row. A row holding NaN
   gets the out-of-range index `V` (its maximum is NaN, which equals nothing); callers reject such rows first
   (`check_finite_rows`).
 

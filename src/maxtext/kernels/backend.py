@@ -30,7 +30,7 @@ from maxtext.kernels.ragged_paged_attention import ragged_paged_attention
 
 REFERENCE = "reference"
 # `method` of moe_experts. tiled: only the selected experts, a loop over one-expert tiles of the rows sorted by
-# expert (the default; on CPU several times faster than dense, see docs/benchmarks.md); ragged: the same grouped
+# expert (the default: each expert computes only its own rows, where dense computes all of them); ragged: the same grouped
 # matmul as `jax.lax.ragged_dot` (for backends with a native grouped matmul); dense: every expert on every token
 # (the reference); gather: `[T, k, D, F]` weight copies (small T only).
 _EXPERT_FNS = {
@@ -354,7 +354,7 @@ class ReferenceBackend(KernelBackend):
     if method not in _EXPERT_FNS:
       raise ValueError(f"MoE method must be one of {EXPERT_METHODS}, got {method!r}")
     extra = {"b_gate": b_gate, "b_up": b_up, "b_down": b_down, "glu": glu}
-    extra = {k: v for k, v in extra.items() if v is not None}  # the plain expert MLP: exactly the old call
+    extra = {k: v for k, v in extra.items() if v is not None}  # the plain expert MLP passes no optional arguments
     fn = _EXPERT_FNS[method]
     if cpu_gemm.applies_experts(indices.size, dtype, w_gate.dtype, w_up.dtype, w_down.dtype):
       fn = moe.experts_cpu_rows  # the CPU kernel reads the selected experts in place (engine steps on one CPU)

@@ -74,8 +74,8 @@ TARGETS = {
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 _ENABLED = contextvars.ContextVar("maxtext_cpu_gemm_enabled", default=False)
 # XLA's CPU compiler hands element-wise and reduction fusions to YNNPACK. In a decode step of a few rows those
-# fusions (the attention's scores, softmax and weighted sum; a Gated DeltaNet's conv) cost more per call than XLA's
-# own loops: a Gemma3 batch of 8 spent about a third of its step in them. Programs of 1-8 rows compile without them.
+# fusions (the attention's scores, softmax and weighted sum; a Gated DeltaNet's conv) work on a few thousand elements
+# each and cost more per call than XLA's own loops. Programs of 1-8 rows compile without them.
 _SMALL_BATCH_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
@@ -268,7 +268,7 @@ def to_panels(w: jax.Array) -> jax.Array:
   if isinstance(w, jax.core.Tracer):
     return jnp.transpose(w.reshape(k, n // PANEL, PANEL), (1, 0, 2))
   # A concrete array (the engine converting loaded weights) is copied by NumPy and moved by `device_put`: an eager
-  # XLA transpose, or `jnp.asarray`, compiles a program per shape, about 10 ms per layer.
+  # XLA transpose, or `jnp.asarray`, would compile a program per shape during the load.
   return jax.device_put(np.ascontiguousarray(np.asarray(w).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)))
 
 

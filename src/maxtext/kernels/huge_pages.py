@@ -13,7 +13,7 @@ speed. Every region a buffer touches is collapsed, so the first and last may tak
 it: they belong to the same process and keep their contents too, but a region the process had only partly
 touched costs up to 2 MiB more memory (its untouched pages are filled). A region that does not lie inside one
 private anonymous mapping is skipped (the kernel would refuse it). The engine does this once, in a thread, after
-the weights load (`huge_page_weights`); a refusal is only logged, as the pages are an optimisation, never a
+its first step (`huge_page_weights`); a refusal is only logged, as the pages are an optimisation, never a
 requirement.
 """
 

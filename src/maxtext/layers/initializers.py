@@ -1,9 +1,9 @@
 """Fast deterministic random initialisation for dummy weights.
 
-`jax.random` (threefry) costs a fresh XLA compilation of ~0.3 s per distinct parameter shape on CPU, which
-dominates building small models in tests. Here each parameter is drawn from a counter-based integer hash keyed
-by the module's `nnx.Rngs` stream: a few elementwise ops compiled once per shape (tens of milliseconds), equally
-cheap inside `jax.jit` / `nnx.eval_shape`, and still a deterministic function of the seed.
+`jax.random` (threefry) costs a fresh, slow XLA compilation per distinct parameter shape on CPU, which would
+dominate building small models in tests. Here each parameter is drawn from a counter-based integer hash keyed
+by the module's `nnx.Rngs` stream: a few elementwise ops compiled once per shape, equally cheap inside `jax.jit` /
+`nnx.eval_shape`, and still a deterministic function of the seed.
 """
 
 import functools
@@ -43,8 +43,9 @@ def draw_key(rngs: nnx.Rngs) -> jax.Array:
   """Next key of the `params` stream, computed eagerly when the stream is concrete.
 
   Under `nnx.eval_shape` / `jax.jit`, every traced update of the stream's counter makes flax walk the whole
-  trace (quadratic in the number of parameters: ~15 s for an 80B model). Drawing the key at compile time keeps
-  the counter concrete; with a traced stream (an `Rngs` passed into `jit`) it is traced as usual.
+  trace (quadratic in the number of parameters, so the largest configs would spend most of their build there).
+  Drawing the key at compile time keeps the counter concrete; with a traced stream (an `Rngs` passed into `jit`) it
+  is traced as usual.
   """
   with jax.ensure_compile_time_eval():
     return rngs.params()

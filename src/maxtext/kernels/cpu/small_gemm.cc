@@ -320,9 +320,9 @@ void NTRowChunk(const float* x, const float* w, float* y, int64_t k_size, int64_
 }
 
 // 2 to 6 rows: y[i][n] = x[i] . w[n] for n in [n0, n1), i < M; w [N, K] row-major, read one row at a time front to
-// back (one stream; NTChunk's 8 rows of w side by side, 8 interleaved streams, took 1.2-2.2 times as long over a
-// tied head at 2-6 rows), each vector of w multiplied into all M rows of x, which stay in the L1 cache. At 8 rows
-// NTChunk was as fast.
+// back as one stream (NTChunk's 8 rows of w side by side are 8 interleaved streams, which read slower at these
+// row counts), each vector of w multiplied into all M rows of x, which stay in the L1 cache. Above kMaxRowsNT
+// rows NTChunk reads as well, and serves them.
 template <int M>
 void NTRowsChunk(const float* x, const float* w, float* y, int64_t k_size, int64_t n_size, int64_t n0, int64_t n1) {
   const int64_t k8 = k_size / 8 * 8;

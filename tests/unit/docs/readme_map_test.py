@@ -110,8 +110,8 @@ def test_every_file_name_the_map_gives_exists(entry):
 
 
 def test_parse_map_reads_entries_and_continuations():
-  lines = ["src/maxtext/", "  a/                  x.py,", "                      y.py", "docs/                 z.md"]
-  assert parse_map(lines) == {"src/maxtext": "", "src/maxtext/a": "x.py, y.py", "docs": "z.md"}
+  lines = ["src/maxtext/", "  a/                  x.py,", "                      y.py", "docs/                 z.png"]
+  assert parse_map(lines) == {"src/maxtext": "", "src/maxtext/a": "x.py, y.py", "docs": "z.png"}
 
 
 def test_names_matches_whole_names_only(tmp_path):

@@ -98,7 +98,7 @@ class HFTokenizer:
     Raises:
       FileNotFoundError, NotImplementedError, ValueError: see `maxtext.checkpoint.gguf.load_gguf_tokenizer`.
     """
-    from maxtext.checkpoint import gguf  # pylint: disable=import-outside-toplevel  # needs the optional gguf package
+    from maxtext.checkpoint import gguf  # pylint: disable=import-outside-toplevel  # its tokenizer needs `tokenizers`
 
     parts = gguf.load_gguf_tokenizer(path)
     tokenizer = cls.__new__(cls)

@@ -1,14 +1,15 @@
 """Load a GGUF file (llama.cpp's format) into this package's config, parameters and tokenizer.
 
-Architectures: `llama` (decoder_block llama2) and `qwen3`. The container (header, metadata, tensor index, block
-types) is read by `gguf_format`, which maps the file and dequantizes a tensor to float32 only when it is read (see
-`SUPPORTED_TENSOR_TYPES`). GGUF's conventions are undone on the way in, so the Hugging Face layout code
-(`hf_layout`) builds the canonical parameters exactly as for a safetensors folder:
+Architectures: those a family declares (`Family.gguf`), `llama` (decoder_block llama2) and `qwen3`. The container
+(header, metadata, tensor index, block types) is read by `gguf_format`, which maps the file and dequantizes a tensor
+to float32 only when it is read (see `SUPPORTED_TENSOR_TYPES`). GGUF's conventions are undone on the way in, so the
+Hugging Face layout code (`hf_layout`) builds the canonical parameters exactly as for a safetensors folder:
   - tensor names (`blk.{i}.attn_q.weight`, `token_embd.weight`, ...) map to the Hugging Face names;
   - dimensions are stored innermost first (a Linear [out, in] is listed as [in, out]); the reader's arrays are in
     row-major order, so a dequantized tensor already has the Hugging Face shape;
-  - for `llama`, llama.cpp's converter permutes the rows of attn_q / attn_k (per head, the two rotary halves are
-    interleaved for its GPT-J style rope); the inverse permutation restores the Hugging Face (rotate-half) rows.
+  - for `llama` (`GGUFMapping.permuted_rope_rows`), llama.cpp's converter permutes the rows of attn_q / attn_k (per
+    head, the two rotary halves are interleaved for its GPT-J style rope); the inverse permutation restores the
+    Hugging Face (rotate-half) rows.
     Qwen3 files use NeoX rope and are stored unpermuted.
 The metadata becomes a Hugging Face style config dict for `hf_config.hf_config_to_overrides`, the vocabulary and
 merges a `tokenizers.Tokenizer` (byte-level BPE, the `gpt2` tokenizer model), and `tokenizer.chat_template` the
@@ -33,10 +34,11 @@ import numpy as np
 import tqdm
 
 from maxtext.checkpoint import gguf_format, hf_config, hf_layout
-from maxtext.configs import load_config
+from maxtext.configs import families, load_config
 
-# GGUF general.architecture -> Hugging Face model_type (whose config mapping and tensor layout are reused).
-ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3"}
+# GGUF general.architecture -> Hugging Face model_type (whose config mapping and tensor layout are reused); each
+# family declares the architectures holding it (`Family.gguf`).
+ARCHITECTURES: dict[str, str] = {a: families.gguf_mapping(a).model_type for a in families.gguf_architectures()}
 # ggml tensor types this loader reads (dequantized to float32 by `gguf_format.dequantize`).
 SUPPORTED_TENSOR_TYPES: tuple[str, ...] = gguf_format.DEQUANTIZED_TYPES
 # llama.cpp's tokenizer.ggml.pre names -> the pre-tokenizer of the vocabulary (see `_pre_tokenizer`).
@@ -328,7 +330,8 @@ def _validate(file: GGUFFile, recipes: list[hf_layout.Recipe]) -> None:
 
 def _reader(file: GGUFFile, cfg: Any):
   permute = {}
-  if file.architecture == "llama":
+  mapping = families.gguf_mapping(file.architecture)
+  if mapping is not None and mapping.permuted_rope_rows:
     for i in range(cfg.base_num_decoder_layers):
       permute[f"model.layers.{i}.self_attn.q_proj.weight"] = cfg.base_num_query_heads
       permute[f"model.layers.{i}.self_attn.k_proj.weight"] = cfg.base_num_kv_heads

@@ -14,7 +14,7 @@ import pytest
 
 from maxtext import decode
 from maxtext.checkpoint import gguf as gguf_loader
-from maxtext.checkpoint import load_model, load_run_config
+from maxtext.checkpoint import load_model, load_run_config, source
 from maxtext.configs import ConfigError, load_config
 from maxtext.inference.tokenizer import HFTokenizer, tokenizer_from_config
 
@@ -360,6 +360,22 @@ def test_the_tokenizer_comes_from_the_vocabulary_and_merges(llama_file):
   assert tokenizer.decode(ids) == "hello world"
   assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.vocab_size) == (1, 2, len(vocab))
   assert tokenizer.chat_template == TEMPLATE and tokenizer.token_text(1) == "<|im_start|>"
+
+
+def test_the_gguf_source_supplies_model_keys_tensors_tokenizer_and_template(llama_file):
+  path, weights = llama_file
+  gguf_file = source.open_source("gguf_model_path", str(path))
+  keys = gguf_file.model_keys()
+  assert (keys["decoder_block"], keys["base_emb_dim"], keys["base_num_decoder_layers"]) == ("llama2", D, LAYERS)
+  assert "gguf_model_path" not in keys
+  cfg = gguf_file.load_config()
+  assert cfg.gguf_model_path == str(path)
+  streamed = dict(gguf_file.iter_params(cfg))
+  np.testing.assert_array_equal(streamed["embedder.embedding"], weights["model.embed_tokens.weight"])
+  files = gguf_file.tokenizer()
+  assert files.path == str(path) and files.parts.eos_token_id == 2
+  assert gguf_file.chat_template() == TEMPLATE
+  assert gguf_file.tokenizer_keys() == {"gguf_model_path": str(path)}
 
 
 def test_an_unsupported_tokenizer_model_is_named(tmp_path):

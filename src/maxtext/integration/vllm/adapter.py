@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from maxtext.checkpoint import load_model, load_run_config
+from maxtext.checkpoint import load_model, load_run_config, source
 from maxtext.integration.vllm import hybrid_cache_utils, kv_cache_spec, kv_cache_spec_data
 from maxtext.kernels.attention_metadata import AttentionMetadata, metadata_for_layers, normalize_positions
 from maxtext.kernels.backend import get_backend
@@ -32,7 +32,7 @@ from maxtext.models import Transformer, abstract_model, sharding
 MAXTEXT_CONFIG_KEY = "maxtext_config"
 DUMMY_LOAD_FORMAT = "dummy"
 # The config keys that name a checkpoint; with none of them (and no model_name) vLLM's model folder is the source.
-CHECKPOINT_KEYS = ("load_parameters_path", "hf_model_path", "gguf_model_path")
+CHECKPOINT_KEYS = source.SOURCE_KEYS
 RUNNER_DTYPES = ("float32", "bfloat16")
 
 
@@ -87,9 +87,7 @@ def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDic
   if cache_dtype not in (None, "auto") and "kv_cache_dtype" not in overrides:
     overrides["kv_cache_dtype"] = str(cache_dtype)
   if _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT:
-    overrides["load_parameters_path"] = ""
-    overrides["hf_model_path"] = ""
-    overrides["gguf_model_path"] = ""
+    overrides.update({key: "" for key in CHECKPOINT_KEYS})
   elif not any(overrides.get(key) for key in CHECKPOINT_KEYS) and "model_name" not in overrides:
     model_folder = _attr(vllm_config, "model_config.model")
     if isinstance(model_folder, str) and os.path.isfile(os.path.join(model_folder, "config.json")):
@@ -121,14 +119,11 @@ def _checked_built_config(cfg: ml_collections.FrozenConfigDict, vllm_config: Any
         f"vllm_config.cache_config.block_size={block_size} disagrees with the built config's block_size="
         f"{cfg.block_size} in additional_config[{MAXTEXT_CONFIG_KEY!r}]"
     )
-  if _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT and (
-      cfg.load_parameters_path or cfg.hf_model_path or cfg.gguf_model_path
-  ):
+  if _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT and source.names_checkpoint(cfg):
+    named = ", ".join(f"{key}={cfg[key]!r}" for key in CHECKPOINT_KEYS)
     raise ValueError(
         "load_format is 'dummy' (random weights) but the built config in"
-        f" additional_config[{MAXTEXT_CONFIG_KEY!r}] names a checkpoint (load_parameters_path="
-        f"{cfg.load_parameters_path!r}, hf_model_path={cfg.hf_model_path!r}, gguf_model_path="
-        f"{cfg.gguf_model_path!r})"
+        f" additional_config[{MAXTEXT_CONFIG_KEY!r}] names a checkpoint ({named})"
     )
   return cfg
 
@@ -171,7 +166,7 @@ class MaxTextForCausalLM(nnx.Module):
       else:
         self.model = Transformer(cfg, rngs=nnx.Rngs(params=rng_key))
       return
-    if not (cfg.load_parameters_path or cfg.hf_model_path or cfg.gguf_model_path):
+    if source.weights_source(cfg) is None:
       raise ValueError(
           "load_format is not 'dummy' but none of load_parameters_path (Orbax), hf_model_path and gguf_model_path"
           " is set in additional_config['maxtext_config']"

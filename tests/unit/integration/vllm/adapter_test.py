@@ -353,3 +353,14 @@ def test_vllm_model_folder_and_dtype_feed_the_config(tmp_path):
   assert config(model_name="llama-tiny").hf_model_path == ""  # the overrides name the model
   with pytest.raises(ValueError, match=r"model_config.dtype must be one of float32, bfloat16 .*; got 'float16'"):
     config(dtype="torch.float16")
+
+
+def test_a_built_config_naming_a_checkpoint_is_refused_under_dummy_weights():
+  cfg = load_config(model_name="llama-tiny", gguf_model_path="/m.gguf")
+  vllm = dataclasses.replace(vllm_config_from_maxtext(cfg), load_config=LoadConfig("dummy"))
+  with pytest.raises(
+      ValueError, match=r"names a checkpoint \(load_parameters_path='', hf_model_path='', gguf_model_path='/m.gguf'\)"
+  ):
+    maxtext_config_from_vllm(vllm)
+  plain = load_config(model_name="llama-tiny")
+  assert maxtext_config_from_vllm(dataclasses.replace(vllm, additional_config={"maxtext_config": plain})) is plain

@@ -8,8 +8,9 @@ writes
     OUT/maxtext_model.yml   the model keys derived from config.json (or the GGUF metadata), weight_dtype,
                             load_parameters_path=OUT/params and tokenizer_path=DIR (or gguf_model_path=FILE, which
                             then supplies the tokenizer and chat template; the weights come from the Orbax copy)
-Load it with `load_converted_config(OUT, **overrides)` (or pass the YAML's keys to `load_config`), then
-`maxtext.checkpoint.load_model(cfg)` restores the parameters from `load_parameters_path`.
+The YAML sets `base_config: base.yml`, so it is a config of its own: `maxtext-decode OUT/maxtext_model.yml
+prompt=...` decodes the converted copy, and `load_converted_config(OUT, **overrides)` loads it in Python, after
+which `maxtext.checkpoint.load_model(cfg)` restores the parameters from `load_parameters_path`.
 """
 
 import argparse
@@ -90,8 +91,11 @@ def _write(origin: str, out: str, keys: dict[str, Any], params: dict[str, Any]) 
     orbax.save_params(os.path.join(staging, PARAMS_DIR), params)
     params.clear()
     with open(os.path.join(staging, MODEL_CONFIG_FILE), "w", encoding="utf-8") as f:
-      f.write(f"# Converted from {origin} by maxtext.checkpoint.convert; model keys of configs/base.yml.\n")
-      yaml.safe_dump(keys, f, sort_keys=False)
+      f.write(
+          f"# Converted from {origin} by maxtext.checkpoint.convert: the model keys over the package's base.yml.\n"
+          f"# Decode with: maxtext-decode {os.path.join(out, MODEL_CONFIG_FILE)} prompt=...\n"
+      )
+      yaml.safe_dump({"base_config": "base.yml", **keys}, f, sort_keys=False)
     _publish(staging, out)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
@@ -139,10 +143,7 @@ def load_converted_config(output_dir: str | os.PathLike, **overrides: Any) -> ml
   path = os.path.join(os.fspath(output_dir), MODEL_CONFIG_FILE)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{os.fspath(output_dir)!r} has no {MODEL_CONFIG_FILE}; is it a converted checkpoint?")
-  with open(path, encoding="utf-8") as f:
-    keys = yaml.safe_load(f)
-  keys.update(overrides)
-  return load_config(**keys)
+  return load_config([path], **overrides)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -427,6 +427,24 @@ def test_the_converter_writes_an_orbax_copy_that_decodes_with_the_files_tokenize
     convert.convert(None, tmp_path / "x")
 
 
+def test_the_converted_yaml_is_a_config_that_decodes_as_the_file_does(llama_file, tmp_path, capsys):
+  from maxtext.checkpoint import convert  # pylint: disable=import-outside-toplevel  # the converter's own module
+
+  path, _ = llama_file
+  out = tmp_path / "converted"
+  argv = ["--gguf_model_path", str(path), "--output_dir", str(out), "--weight_dtype", "bfloat16", "--no_progress"]
+  assert convert.main(argv) == 0
+  capsys.readouterr()
+  run = ["prompt_token_ids=[1, 5, 6]", "max_new_tokens=4", "output_format=json", "max_target_length=32"]
+  assert decode.main([str(out / "maxtext_model.yml")] + run) == 0, capsys.readouterr().err
+  (converted,) = json.loads(capsys.readouterr().out)["requests"]
+  assert decode.main([f"gguf_model_path={path}", "weight_dtype=bfloat16"] + run) == 0, capsys.readouterr().err
+  (direct,) = json.loads(capsys.readouterr().out)["requests"]
+  assert converted["output_token_ids"] == direct["output_token_ids"] and len(direct["output_token_ids"]) == 4
+  cfg = convert.load_converted_config(out)
+  assert (cfg.weight_dtype, cfg.load_parameters_path) == ("bfloat16", str(out / "params"))
+
+
 def _metadata_file(path, arch="llama", drop=(), extra=None, tensors=(), pre="default", merges=True, tokens=True):
   """A GGUF with the tiny model's metadata (minus `drop`, plus `extra` {key: value}) and the given 1-D tensors."""
   writer = gguf.GGUFWriter(str(path), arch)

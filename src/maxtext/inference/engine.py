@@ -596,10 +596,6 @@ class LLMEngine:
     """Whether any request is still waiting or running, or an abort is not yet reported by `step()`."""
     return self.scheduler.has_unfinished_requests() or bool(self._aborted)
 
-  def all_free(self) -> bool:
-    """Leak check: every block and state slot is back in its pool."""
-    return self.manager.all_free()
-
 
 def sampling_logits_indices(
     batch: BatchInputs, sampling_request_ids: Sequence[str], num_rows: int | None = None

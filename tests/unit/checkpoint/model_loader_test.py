@@ -8,7 +8,6 @@ from flax import nnx
 
 from maxtext.checkpoint import hf, load_model, load_run_config, model_loader, save_params, source
 from maxtext.configs import ConfigError, load_config
-from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm import adapter
 from maxtext.models import Transformer, abstract_model, get_flat_params
 
@@ -81,7 +80,7 @@ def test_the_adapter_traces_its_model_once_when_loading_a_folder(hf_checkpoint, 
 
   monkeypatch.setattr(adapter, "abstract_model", counted)
   monkeypatch.setattr(source, "abstract_model", counted)
-  model = adapter.MaxTextForCausalLM(vllm_config_from_maxtext(cfg), None)
+  model = adapter.MaxTextForCausalLM.from_config(cfg, None)
   model.load_weights(None)
   assert len(calls) == 1
   _assert_same(get_flat_params(model.model), hf.load_hf_params(folder, cfg))

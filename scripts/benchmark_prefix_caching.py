@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from maxtext.inference import LLM, SamplingParams
+from maxtext.testing import kv_cache_checks
 from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
 
 MODELS = ("qwen3-next-tiny", "qwen3.5-tiny", "granite4-tiny", "bamba-tiny")
@@ -75,7 +76,7 @@ def measure(model: str, apc: bool, args: argparse.Namespace) -> tuple[list[list[
   shape = (args.system_tokens, args.suffix_tokens, args.requests)
   run(llm, workload(1, *shape), args.max_tokens)
   tokens, stats = run(llm, workload(2, *shape), args.max_tokens)
-  assert llm.engine.all_free(), "blocks or state blocks leaked"
+  assert kv_cache_checks.all_free(llm.engine.manager), "blocks or state blocks leaked"
   return tokens, {"model": model, "prefix_caching": apc, **stats}
 
 

@@ -32,7 +32,7 @@ from maxtext.integration.vllm.environment import PluginEnvironmentError
 # Errors that mean "the input is wrong", reported as one line with exit status 2. Anything else is a bug: traceback.
 # RequestNeverFitsError: the configured cache pool (kv_cache_memory_bytes or num_kv_blocks) is too small for the request.
 # OSError: a path that cannot be read (missing, a folder where a file is expected, no permission).
-# MissingDependencyError: an optional package the run needs (gguf, tokenizers, ...) is not installed.
+# MissingDependencyError: an optional package the run needs (tokenizers, jinja2, ...) is not installed.
 USER_ERRORS = (
     ValueError,
     TypeError,

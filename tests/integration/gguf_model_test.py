@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from maxtext.inference import LLM, SamplingParams
+from maxtext.testing import kv_cache_checks
 
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
@@ -116,4 +117,4 @@ def test_layouts_chunked_prefill_and_batching_keep_every_token(example_gguf, hf_
   llm = LLM(gguf_model_path=example_gguf, **RUN, **runner)
   outputs = llm.generate(list(PROMPTS[:3]), SamplingParams(max_tokens=MAX_TOKENS))
   assert [list(o.outputs[0].token_ids) for o in outputs] == expected[:3]
-  assert llm.engine.all_free()
+  assert kv_cache_checks.all_free(llm.engine.manager)

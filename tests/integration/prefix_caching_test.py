@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from maxtext.inference import LLM, SamplingParams
+from maxtext.testing import kv_cache_checks
 
 pytestmark = pytest.mark.slow
 
@@ -62,15 +63,30 @@ def _llm(name, apc, layout="hybrid", hybrid=True, mamba_block_size=0):
   )
 
 
+def _cached_tokens(llm, outs):
+  """Tokens of the finished requests `outs` (prompt and output) that the prefix cache still holds, summed over the
+  requests and the KV-cache groups (0 without prefix caching)."""
+  manager = llm.engine.manager
+  if not manager.enable_prefix_caching:
+    return 0
+  # One token more than each request computed, so that every block it wrote is within the looked-up prefix.
+  sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) + [0] for o in outs]
+  return sum(sum(manager.group_prefix_hits(seq).values()) for seq in sequences)
+
+
 def _workload(llm):
-  """Runs the workload; returns (tokens per request, cached tokens per request), in the order listed below."""
+  """Runs the workload; returns (tokens per request, cached tokens per request), in the order listed below, and
+  whether the cache-pressure round evicted cached blocks of the earlier requests."""
   params = SamplingParams(max_tokens=MAX_TOKENS)
   base = _tokens(0, 21)
   outs = llm.generate([base], params)
   # Shares 3 tokens (less than a block), 4 (a block), 13 (three blocks and a token), all 21 (a repeat).
   outs += llm.generate([base[:3] + _tokens(1, 6), base[:4] + _tokens(2, 6), base[:13] + _tokens(3, 4), base], params)
+  held = _cached_tokens(llm, outs)
   # Cache pressure: four 24-token requests need 28 of the 39 blocks at once, evicting cached ones; then re-hits.
+  num_earlier = len(outs)
   outs += llm.generate([_tokens(10 + i, 24) for i in range(4)], params)
+  evicted = _cached_tokens(llm, outs[:num_earlier]) < held
   outs += llm.generate([base], params)
   outs += llm.generate([base], params)
   # A second request arrives while the first decodes, extending the first one's prompt and first outputs.
@@ -82,11 +98,11 @@ def _workload(llm):
   second = engine.add_request(list(engine.scheduler.running[0].all_token_ids) + [9, 9], params)
   while engine.has_unfinished_requests():
     finished.update((f.request_id, f) for f in engine.step())
-  assert engine.all_free(), "blocks or state blocks leaked"
-  engine.manager.check_consistency([])
+  assert kv_cache_checks.all_free(engine.manager), "blocks or state blocks leaked"
+  kv_cache_checks.check_consistency(engine.manager, [])
   tokens = [list(o.outputs[0].token_ids) for o in outs] + [list(finished[r].output_token_ids) for r in (first, second)]
   cached = [o.num_cached_tokens for o in outs] + [finished[r].num_cached_tokens for r in (first, second)]
-  return tokens, cached
+  return tokens, cached, evicted
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,8 +113,8 @@ def _without_prefix_caching(name):
 @pytest.mark.parametrize("name,layout,hybrid,mamba_block_size", CASES)
 def test_prefix_caching_gives_the_same_greedy_tokens(name, layout, hybrid, mamba_block_size):
   llm = _llm(name, True, layout, hybrid, mamba_block_size)
-  tokens, cached = _workload(llm)
-  expected, none_cached = _without_prefix_caching(name)
+  tokens, cached, evicted = _workload(llm)
+  expected, none_cached, _ = _without_prefix_caching(name)
   assert tokens == expected
   assert not any(none_cached)
   unit = (mamba_block_size or BLOCK) if name in HYBRIDS else BLOCK
@@ -117,4 +133,4 @@ def test_prefix_caching_gives_the_same_greedy_tokens(name, layout, hybrid, mamba
   assert stats["prefix_cache_hits"] == sum(cached)
   assert stats["prefix_cache_queries"] > stats["prefix_cache_hits"]
   assert stats["prefix_cache_hit_rate"] == pytest.approx(stats["prefix_cache_hits"] / stats["prefix_cache_queries"])
-  assert llm.engine.manager.prefix_cache_counts()["evictions"] > 0
+  assert evicted

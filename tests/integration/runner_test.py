@@ -12,6 +12,7 @@ import pytest
 
 from maxtext.configs import available_models
 from maxtext.inference import LLM, SamplingParams
+from maxtext.testing import kv_cache_checks
 
 # Every tiny config in configs/models: a new family is covered as soon as its tiny config exists.
 FAMILIES = [name for name in available_models() if name.endswith("-tiny")]
@@ -70,7 +71,7 @@ def _dense_greedy(model, prompts):
 
 def _generate(llm, prompts):
   outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
-  assert llm.engine.all_free(), "blocks or state slots leaked"
+  assert kv_cache_checks.all_free(llm.engine.manager), "blocks or state slots leaked"
   return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -121,4 +122,4 @@ def test_sliding_groups_free_out_of_window_blocks_during_a_long_decode():
       )
   # The full-attention group keeps every block; the sliding group holds only the window's.
   assert max(s for s, _ in used) < max(f for _, f in used)
-  assert llm.engine.all_free()
+  assert kv_cache_checks.all_free(llm.engine.manager)

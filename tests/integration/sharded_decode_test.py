@@ -5,6 +5,7 @@ import pytest
 
 from maxtext.configs import ConfigError
 from maxtext.inference import LLM, SamplingParams
+from maxtext.testing import kv_cache_checks
 
 PROMPTS = [[5, 9, 33, 71, 12, 8, 90, 14, 3, 60, 61], [44, 3, 101]]
 # One token bucket (min_token_bucket = the budget): one compiled step per mesh.
@@ -31,7 +32,7 @@ MESHES = {
 def _tokens(name, **mesh):
   llm = LLM(model_name=name, **RUN, **mesh)
   outs = llm.generate(PROMPTS, SamplingParams(max_tokens=5))
-  assert llm.engine.all_free()
+  assert kv_cache_checks.all_free(llm.engine.manager)
   return [list(o.outputs[0].token_ids) for o in outs], llm
 
 

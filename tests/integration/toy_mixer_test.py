@@ -20,6 +20,7 @@ from maxtext.kernels.cache_spec import RecurrentSpec
 from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.mixer import Mixer, register_mixer
 from maxtext.models import Transformer
+from maxtext.testing import kv_cache_checks
 
 KIND = "running_mean"
 LAYER_TYPES = [KIND, "full_attention", KIND, "full_attention"]
@@ -145,7 +146,7 @@ def test_every_layout_gives_the_dense_greedy_tokens(layout):
   assert [g.kind for g in manager.groups][0] == "recurrent" and manager.groups[0].layer_names == ("layer.0", "layer.2")
   prompts = _prompts()
   outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
-  assert llm.engine.all_free(), "blocks or state slots leaked"
+  assert kv_cache_checks.all_free(llm.engine.manager), "blocks or state slots leaked"
   assert llm.engine.stats.steps > MAX_TOKENS  # the 29-token prompt was chunked over the 16-token budget
   model = llm.engine.model.model
   assert [list(o.outputs[0].token_ids) for o in outs] == [_dense_greedy(model, p) for p in prompts]

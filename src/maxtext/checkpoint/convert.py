@@ -8,8 +8,9 @@ writes
     OUT/maxtext_model.yml   the model keys derived from config.json (or the GGUF metadata), weight_dtype,
                             load_parameters_path=OUT/params and tokenizer_path=DIR (or gguf_model_path=FILE, which
                             then supplies the tokenizer and chat template; the weights come from the Orbax copy)
-Load it with `load_converted_config(OUT, **overrides)` (or pass the YAML's keys to `load_config`), then
-`maxtext.checkpoint.load_model(cfg)` restores the parameters from `load_parameters_path`.
+The YAML sets `base_config: base.yml`, so it is a config of its own: `maxtext-decode OUT/maxtext_model.yml
+prompt=...` decodes the converted copy, and `load_converted_config(OUT, **overrides)` loads it in Python, after
+which `maxtext.checkpoint.load_model(cfg)` restores the parameters from `load_parameters_path`.
 """
 
 import argparse
@@ -24,7 +25,7 @@ from typing import Any, NoReturn
 import ml_collections
 import yaml
 
-from maxtext.checkpoint import gguf, hf, hf_config, orbax
+from maxtext.checkpoint import orbax, source
 from maxtext.configs import load_config
 
 logger = logging.getLogger(__name__)
@@ -65,25 +66,23 @@ def convert(
   Raises:
     FileExistsError: output_dir already holds a checkpoint.
     ValueError: both or neither of hf_model_path and gguf_model_path given.
-    FileNotFoundError, ValueError, NotImplementedError: as `hf.load_hf_config` / `hf.iter_hf_params` (or their
-      `gguf` counterparts).
+    FileNotFoundError, ValueError, NotImplementedError: as the source's `load_config` / `iter_params`
+      (`maxtext.checkpoint.source`).
   """
-  if (hf_model_path is None) == (gguf_model_path is None):
-    raise ValueError("give exactly one of hf_model_path and gguf_model_path to convert")
-  if gguf_model_path is not None:
-    return _convert_gguf(gguf_model_path, output_dir, weight_dtype=weight_dtype, progress=progress)
-  source = os.path.abspath(os.fspath(hf_model_path))
+  paths = {source.HF_KEY: hf_model_path, source.GGUF_KEY: gguf_model_path}
+  absolute = {key: None if p is None else os.path.abspath(os.path.expanduser(os.fspath(p))) for key, p in paths.items()}
+  checkpoint = source.exactly_one_model_source(absolute, "convert")
   out, params_dir = _output_paths(output_dir)
-  keys = hf_config.hf_config_to_overrides(hf_config.read_hf_config(source))
+  keys = checkpoint.model_keys()
   keys["weight_dtype"] = weight_dtype
-  cfg = hf.load_hf_config(source, weight_dtype=weight_dtype)
-  params = hf.load_hf_params(source, cfg, progress=progress)
+  cfg = checkpoint.load_config(weight_dtype=weight_dtype)
+  params = dict(checkpoint.iter_params(cfg, progress=progress))
   keys["load_parameters_path"] = params_dir
-  keys["tokenizer_path"] = source
-  return _write(source, out, keys, params)
+  keys.update(checkpoint.tokenizer_keys())
+  return _write(checkpoint.path, out, keys, params)
 
 
-def _write(source: str, out: str, keys: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+def _write(origin: str, out: str, keys: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
   """Writes params/ and maxtext_model.yml into a staging sibling of `out`, then publishes them by renames."""
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
@@ -92,13 +91,16 @@ def _write(source: str, out: str, keys: dict[str, Any], params: dict[str, Any]) 
     orbax.save_params(os.path.join(staging, PARAMS_DIR), params)
     params.clear()
     with open(os.path.join(staging, MODEL_CONFIG_FILE), "w", encoding="utf-8") as f:
-      f.write(f"# Converted from {source} by maxtext.checkpoint.convert; model keys of configs/base.yml.\n")
-      yaml.safe_dump(keys, f, sort_keys=False)
+      f.write(
+          f"# Converted from {origin} by maxtext.checkpoint.convert: the model keys over the package's base.yml.\n"
+          f"# Decode with: maxtext-decode {os.path.join(out, MODEL_CONFIG_FILE)} prompt=...\n"
+      )
+      yaml.safe_dump({"base_config": "base.yml", **keys}, f, sort_keys=False)
     _publish(staging, out)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
-  logger.info("converted %s -> %s", source, out)
+  logger.info("converted %s -> %s", origin, out)
   return keys
 
 
@@ -132,18 +134,6 @@ def _output_paths(output_dir: str | os.PathLike) -> tuple[str, str]:
   return out, params_dir
 
 
-def _convert_gguf(path: str | os.PathLike, output_dir: str | os.PathLike, *, weight_dtype: str, progress: bool):
-  source = os.path.abspath(os.path.expanduser(os.fspath(path)))
-  out, params_dir = _output_paths(output_dir)
-  keys = hf_config.hf_config_to_overrides(gguf.gguf_to_hf_config(gguf.open_gguf(source)))
-  keys["weight_dtype"] = weight_dtype
-  cfg = gguf.load_gguf_config(source, weight_dtype=weight_dtype)
-  params = dict(gguf.iter_gguf_params(source, cfg, progress=progress))
-  keys["load_parameters_path"] = params_dir
-  keys["gguf_model_path"] = source
-  return _write(source, out, keys, params)
-
-
 def load_converted_config(output_dir: str | os.PathLike, **overrides: Any) -> ml_collections.FrozenConfigDict:
   """Loads the config of a converted checkpoint folder (its maxtext_model.yml, then `overrides`).
 
@@ -153,10 +143,7 @@ def load_converted_config(output_dir: str | os.PathLike, **overrides: Any) -> ml
   path = os.path.join(os.fspath(output_dir), MODEL_CONFIG_FILE)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{os.fspath(output_dir)!r} has no {MODEL_CONFIG_FILE}; is it a converted checkpoint?")
-  with open(path, encoding="utf-8") as f:
-    keys = yaml.safe_load(f)
-  keys.update(overrides)
-  return load_config(**keys)
+  return load_config([path], **overrides)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -164,9 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = _ArgumentParser(
       prog="convert_hf_checkpoint", description="Convert a Hugging Face folder or a GGUF file to an Orbax checkpoint."
   )
-  source = parser.add_mutually_exclusive_group(required=True)
-  source.add_argument("--hf_model_path", help="local folder with config.json and *.safetensors")
-  source.add_argument("--gguf_model_path", help="local GGUF file (llama.cpp format)")
+  choice = parser.add_mutually_exclusive_group(required=True)
+  choice.add_argument("--hf_model_path", help="local folder with config.json and *.safetensors")
+  choice.add_argument("--gguf_model_path", help="local GGUF file (llama.cpp format)")
   parser.add_argument("--output_dir", required=True, help="folder to write params/ and maxtext_model.yml into")
   parser.add_argument("--weight_dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
   parser.add_argument("--no_progress", action="store_true", help="do not show a progress bar")

@@ -1,14 +1,15 @@
 """Load a GGUF file (llama.cpp's format) into this package's config, parameters and tokenizer.
 
-Architectures: `llama` (decoder_block llama2) and `qwen3`. The file is read with the `gguf` library's reader and its
-tensors are dequantized to float32 by `gguf.quants.dequantize` (see `SUPPORTED_TENSOR_TYPES`); nothing here unpacks
-bits. GGUF's conventions are undone on the way in, so the Hugging Face layout code (`hf_layout`) builds the canonical
-parameters exactly as for a safetensors folder:
+Architectures: those a family declares (`Family.gguf`), `llama` (decoder_block llama2) and `qwen3`. The container
+(header, metadata, tensor index, block types) is read by `gguf_format`, which maps the file and dequantizes a tensor
+to float32 only when it is read (see `SUPPORTED_TENSOR_TYPES`). GGUF's conventions are undone on the way in, so the
+Hugging Face layout code (`hf_layout`) builds the canonical parameters exactly as for a safetensors folder:
   - tensor names (`blk.{i}.attn_q.weight`, `token_embd.weight`, ...) map to the Hugging Face names;
   - dimensions are stored innermost first (a Linear [out, in] is listed as [in, out]); the reader's arrays are in
     row-major order, so a dequantized tensor already has the Hugging Face shape;
-  - for `llama`, llama.cpp's converter permutes the rows of attn_q / attn_k (per head, the two rotary halves are
-    interleaved for its GPT-J style rope); the inverse permutation restores the Hugging Face (rotate-half) rows.
+  - for `llama` (`GGUFMapping.permuted_rope_rows`), llama.cpp's converter permutes the rows of attn_q / attn_k (per
+    head, the two rotary halves are interleaved for its GPT-J style rope); the inverse permutation restores the
+    Hugging Face (rotate-half) rows.
     Qwen3 files use NeoX rope and are stored unpermuted.
 The metadata becomes a Hugging Face style config dict for `hf_config.hf_config_to_overrides`, the vocabulary and
 merges a `tokenizers.Tokenizer` (byte-level BPE, the `gpt2` tokenizer model), and `tokenizer.chat_template` the
@@ -32,14 +33,14 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from maxtext.checkpoint import hf_config, hf_layout
-from maxtext.configs import load_config
-from maxtext.configs.errors import MissingDependencyError
+from maxtext.checkpoint import gguf_format, hf_config, hf_layout
+from maxtext.configs import families, load_config
 
-# GGUF general.architecture -> Hugging Face model_type (whose config mapping and tensor layout are reused).
-ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3"}
-# Names of gguf.GGMLQuantizationType members this loader reads (dequantized by gguf.quants to float32).
-SUPPORTED_TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# GGUF general.architecture -> Hugging Face model_type (whose config mapping and tensor layout are reused); each
+# family declares the architectures holding it (`Family.gguf`).
+ARCHITECTURES: dict[str, str] = {a: families.gguf_mapping(a).model_type for a in families.gguf_architectures()}
+# ggml tensor types this loader reads (dequantized to float32 by `gguf_format.dequantize`).
+SUPPORTED_TENSOR_TYPES: tuple[str, ...] = gguf_format.DEQUANTIZED_TYPES
 # llama.cpp's tokenizer.ggml.pre names -> the pre-tokenizer of the vocabulary (see `_pre_tokenizer`).
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -87,16 +88,6 @@ class GGUFError(ValueError):
   """A GGUF file cannot be read or does not describe a model this package supports."""
 
 
-def _gguf_module() -> Any:
-  try:
-    import gguf  # pylint: disable=import-outside-toplevel  # optional dependency (the hf extra)
-  except ImportError as e:
-    raise MissingDependencyError(
-        "reading GGUF files needs the `gguf` package: pip install -e '.[hf]' (or pip install gguf)"
-    ) from e
-  return gguf
-
-
 @dataclasses.dataclass(frozen=True)
 class GGUFTensor:
   """One tensor of a GGUF file: its Hugging Face name, its shape in Hugging Face (row-major) order and its type."""
@@ -108,14 +99,14 @@ class GGUFTensor:
 
 
 class GGUFFile:
-  """A GGUF file opened with `gguf.GGUFReader` (memory-mapped): metadata, tensor index, dequantized reads.
+  """A GGUF file (memory-mapped by `gguf_format.GGUFContainer`): metadata, tensor index, dequantized reads.
 
   Args:
     path: the .gguf file.
 
   Raises:
     FileNotFoundError: no such file.
-    GGUFError: not a GGUF file, truncated or corrupt, or a tensor of a type the `gguf` library does not know.
+    GGUFError: not a GGUF file, truncated or corrupt, or a tensor of a type ggml does not define.
     NotImplementedError: a tensor of a known type this loader does not read (naming the tensor and the type).
   """
 
@@ -126,42 +117,40 @@ class GGUFFile:
           f"GGUF file {self.path!r} (gguf_model_path) does not exist; for the README's example model run"
           " `python scripts/fetch_example_model.py` first"
       )
-    gguf = _gguf_module()
-    size = os.path.getsize(self.path)
     try:
-      self._reader = gguf.GGUFReader(self.path)
-    except (ValueError, KeyError, IndexError, OverflowError) as e:
-      detail = " ".join(str(e).split())
-      if "GGMLQuantizationType" in detail:
-        raise GGUFError(
-            f"{self.path}: a tensor has an unknown tensor type ({detail}); gguf {_version(gguf)} knows"
-            f" {len(gguf.GGMLQuantizationType)} types, this loader reads {', '.join(SUPPORTED_TENSOR_TYPES)}"
-        ) from None
-      # gguf's reader maps the file and cuts every tensor out of it: a short file fails on the first tensor past
-      # the end ("cannot reshape array of size ...") or inside the metadata.
+      self._container = gguf_format.GGUFContainer(self.path)
+    except gguf_format.GGUFFormatError as e:
       raise GGUFError(
-          f"{self.path}: not a readable GGUF file ({size} bytes; truncated or corrupt? download it again): {detail}"
+          f"{self.path}: not a readable GGUF file ({os.path.getsize(self.path)} bytes; truncated or corrupt?"
+          f" download it again): {e}"
       ) from None
     self.tensors: dict[str, GGUFTensor] = {}
-    self._raw: dict[str, Any] = {}
-    for tensor in self._reader.tensors:
-      type_name = tensor.tensor_type.name
-      if type_name not in SUPPORTED_TENSOR_TYPES:
+    self._raw: dict[str, gguf_format.TensorInfo] = {}
+    for tensor in self._container.tensors:
+      if not tensor.type_name:
+        raise GGUFError(
+            f"{self.path}: a tensor has an unknown tensor type (tensor {tensor.name!r}, type id {tensor.type_id});"
+            f" this loader reads {', '.join(SUPPORTED_TENSOR_TYPES)}"
+        )
+      if tensor.type_name not in SUPPORTED_TENSOR_TYPES:
         raise NotImplementedError(
-            f"{self.path}: tensor {tensor.name!r} has quantization type {type_name}, which is not supported"
+            f"{self.path}: tensor {tensor.name!r} has quantization type {tensor.type_name}, which is not supported"
             f" (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
         )
+      try:
+        self._container.check_extent(tensor)
+      except gguf_format.GGUFFormatError as e:
+        raise GGUFError(
+            f"{self.path}: not a readable GGUF file ({self._container.size} bytes; truncated or corrupt? download"
+            f" it again): {e}"
+        ) from None
       name = hf_tensor_name(tensor.name)
-      shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-      self.tensors[name] = GGUFTensor(tensor.name, name, shape, type_name)
+      self.tensors[name] = GGUFTensor(tensor.name, name, tensor.shape, tensor.type_name)
       self._raw[name] = tensor
 
   def field(self, key: str, default: Any = None) -> Any:
     """The value of metadata `key` (str, number, bool or list), or `default` when absent."""
-    field = self._reader.fields.get(key)
-    if field is None:
-      return default
-    return field.contents()
+    return self._container.fields.get(key, default)
 
   @property
   def architecture(self) -> str:
@@ -173,10 +162,7 @@ class GGUFFile:
 
   def read(self, name: str) -> np.ndarray:
     """The tensor of Hugging Face name `name`, dequantized to float32 in Hugging Face shape."""
-    tensor = self._raw[name]
-    gguf = _gguf_module()
-    array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-    return np.asarray(array, dtype=np.float32).reshape(self.tensors[name].shape)
+    return self._container.dequantize(self._raw[name])
 
 
 @functools.lru_cache(maxsize=2)
@@ -186,8 +172,8 @@ def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
-  """`GGUFFile(path)`, cached: gguf's reader parses every metadata array on open (seconds for a 49k vocabulary),
-  and the config, the weights and the tokenizer all read the same file.
+  """`GGUFFile(path)`, cached: opening decodes every metadata array (the vocabulary and merges), and the config,
+  the weights and the tokenizer all read the same file.
 
   Raises:
     FileNotFoundError, GGUFError, NotImplementedError: see `GGUFFile`.
@@ -197,15 +183,6 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     return GGUFFile(full)  # raises FileNotFoundError
   stat = os.stat(full)
   return _open_cached(full, stat.st_size, stat.st_mtime_ns)
-
-
-def _version(module: Any) -> str:
-  try:
-    from importlib import metadata  # pylint: disable=import-outside-toplevel  # only for the message
-
-    return metadata.version(module.__name__)
-  except metadata.PackageNotFoundError:
-    return "(unknown version)"
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -353,7 +330,8 @@ def _validate(file: GGUFFile, recipes: list[hf_layout.Recipe]) -> None:
 
 def _reader(file: GGUFFile, cfg: Any):
   permute = {}
-  if file.architecture == "llama":
+  mapping = families.gguf_mapping(file.architecture)
+  if mapping is not None and mapping.permuted_rope_rows:
     for i in range(cfg.base_num_decoder_layers):
       permute[f"model.layers.{i}.self_attn.q_proj.weight"] = cfg.base_num_query_heads
       permute[f"model.layers.{i}.self_attn.k_proj.weight"] = cfg.base_num_kv_heads

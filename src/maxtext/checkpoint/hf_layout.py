@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from maxtext.configs import families
+from maxtext.configs.families.family import FFN_FEED_FORWARD, FFN_GRANITE, FFN_MLP, GDN_GROUPED
 from maxtext.configs.layer_kinds import FULL_ATTENTION, LINEAR_ATTENTION, MAMBA, SLIDING_ATTENTION
 
 Shape = tuple[int, ...]
@@ -237,7 +239,7 @@ def _gated_delta_net(cfg: Any, i: int) -> list[Recipe]:
   d = cfg.base_emb_dim
   nk, nv, hk, hv = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads, cfg.gdn_key_head_dim, cfg.gdn_value_head_dim
   conv_dim = cfg.gdn_conv_dim
-  if cfg.decoder_block == "qwen3_next":
+  if families.get_family(cfg.decoder_block).tensors.gdn_projections == GDN_GROUPED:
     recipes = [
         _grouped_qkvz(p + "in_proj_qkvz.weight", nk, nv, hk, hv, d, c + "qkv.kernel", c + "z.kernel"),
         _grouped_ba(p + "in_proj_ba.weight", nk, nv, d, c + "b.kernel", c + "a.kernel"),
@@ -359,6 +361,28 @@ def _moe(cfg: Any, i: int, available: Collection[str]) -> list[Recipe]:
   return recipes
 
 
+def _mlp_or_moe(cfg: Any, i: int, available: Collection[str]) -> list[Recipe]:
+  """`mlp.`: the routed experts on the config's MoE layers, the dense MLP elsewhere."""
+  if cfg.moe_layers[i]:
+    return _moe(cfg, i, available)
+  return _dense_mlp(f"model.layers.{i}.mlp.", f"layers.{i}.mlp.", cfg.base_emb_dim, cfg.base_mlp_dim, cfg.mlp_bias)
+
+
+def _feed_forward(cfg: Any, i: int, available: Collection[str]) -> list[Recipe]:
+  """`feed_forward.`: a dense MLP on every layer."""
+  del available  # one layout only
+  return _dense_mlp(
+      f"model.layers.{i}.feed_forward.", f"layers.{i}.mlp.", cfg.base_emb_dim, cfg.base_mlp_dim, cfg.mlp_bias
+  )
+
+
+# The feed-forward layouts a family names in `TensorLayout.ffn`: (cfg, layer index, available names) -> recipes.
+FFN_RECIPES: dict[str, Callable[[Any, int, Collection[str]], list[Recipe]]] = {
+    FFN_MLP: _mlp_or_moe,
+    FFN_FEED_FORWARD: _feed_forward,
+    FFN_GRANITE: _granite_ffn,
+}
+
 # The checkpoint mapping of each layer kind's mixer: (cfg, layer index) -> its recipes.
 MIXER_RECIPES: dict[str, Callable[[Any, int], list[Recipe]]] = {
     FULL_ATTENTION: _attention,
@@ -390,9 +414,13 @@ def build_recipes(cfg: Any, available: Collection[str] = ()) -> list[Recipe]:
   Raises:
     NotImplementedError: the config asks for a layout no Hugging Face checkpoint of these families has, or a
       layer kind without a checkpoint mapping.
+
+  The family of `cfg.decoder_block` names its layout (`TensorLayout`: norm names, feed-forward and delta net
+  projection layouts); the mixer of each layer kind maps its own tensors (`MIXER_RECIPES`).
   """
   d, v = cfg.base_emb_dim, cfg.vocab_size
-  bamba = cfg.decoder_block == "bamba"
+  layout = families.get_family(cfg.decoder_block).tensors
+  ffn = FFN_RECIPES[layout.ffn]
   recipes = [_same("model.embed_tokens.weight", (v, d), "embedder.embedding")]
   for i, kind in enumerate(cfg.layer_types):
     p, c = f"model.layers.{i}.", f"layers.{i}."
@@ -404,18 +432,10 @@ def build_recipes(cfg: Any, available: Collection[str] = ()) -> list[Recipe]:
           _same(p + "post_feedforward_layernorm.weight", (d,), c + "post_mlp_norm.scale"),
       ]
     else:
-      pre_mlp = "pre_ff_layernorm" if bamba else "post_attention_layernorm"
-      recipes.append(_same(p + pre_mlp + ".weight", (d,), c + "pre_mlp_norm.scale"))
+      recipes.append(_same(p + layout.pre_mlp_norm + ".weight", (d,), c + "pre_mlp_norm.scale"))
     recipes += _mixer_recipes(cfg, i, kind)
-    if cfg.decoder_block == "granite_hybrid":
-      recipes += _granite_ffn(cfg, i, available)
-    elif bamba:
-      recipes += _dense_mlp(p + "feed_forward.", c + "mlp.", d, cfg.base_mlp_dim, cfg.mlp_bias)
-    elif cfg.moe_layers[i]:
-      recipes += _moe(cfg, i, available)
-    else:
-      recipes += _dense_mlp(p + "mlp.", c + "mlp.", d, cfg.base_mlp_dim, cfg.mlp_bias)
-  recipes.append(_same("model.final_layernorm.weight" if bamba else "model.norm.weight", (d,), "final_norm.scale"))
+    recipes += ffn(cfg, i, available)
+  recipes.append(_same(layout.final_norm, (d,), "final_norm.scale"))
   if not cfg.logits_via_embedding:
     recipes.append(_linear("lm_head.weight", v, d, "lm_head.kernel"))
   return recipes

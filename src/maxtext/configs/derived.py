@@ -7,7 +7,7 @@ Derived values (added to the loaded config):
   moe_layers                per layer: whether the MLP is a mixture of experts.
   use_qk_norm, use_zero_centered_norm, use_sandwich_norm, use_embedding_scale, use_attention_output_gate,
   use_attention_sinks, use_moe_bias, use_clamped_swiglu, use_global_rope_on_sliding:
-                            family traits of `decoder_block`.
+                            the trait flags of `decoder_block`'s family (`maxtext.configs.families`).
   rotary_dim, attention_scale (`attention_multiplier` when set), gdn_conv_dim.
   mamba_inner_dim           nh * hd, the Mamba2 inner size (x channels, z, gated norm, out_proj input).
   mamba_conv_dim            inner + 2 * G * N, the conv channels `[x | B | C]`.
@@ -15,22 +15,16 @@ Derived values (added to the loaded config):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
 
-from maxtext.configs import layer_kinds
+from maxtext.configs import families, layer_kinds
 from maxtext.configs.errors import ConfigError
-from maxtext.configs.layer_kinds import (
-    FULL_ATTENTION,
-    HYBRID_GDN_BLOCKS,
-    HYBRID_MAMBA_BLOCKS,
-    LINEAR_ATTENTION,
-    MAMBA,
-    SLIDING_ATTENTION,
-)
+from maxtext.configs.layer_kinds import FULL_ATTENTION
 
-DECODER_BLOCKS = ("llama2", "qwen3", "gemma3", "qwen3_next", "qwen3_5", "gpt_oss") + HYBRID_MAMBA_BLOCKS
+DECODER_BLOCKS = families.DECODER_BLOCKS
 DTYPES = ("float32", "bfloat16")
 # Physical orders of the reference runner's cache list (see inference/kv_cache_manager.py).
 KV_CACHE_LAYOUTS = ("layer", "hybrid", "shuffled")
@@ -108,18 +102,14 @@ def _fail(key: str, value: Any, must: str) -> ConfigError:
 
 
 def default_layer_types(values: Mapping[str, Any]) -> tuple[str, ...]:
-  """Per-layer kinds implied by the family when `layer_types` is not given."""
-  block = values["decoder_block"]
-  interval = values["inhomogeneous_layer_cycle_interval"]
+  """Per-layer kinds implied by the family when `layer_types` is not given: full attention every
+  `inhomogeneous_layer_cycle_interval` layers and the family's cycle kind between (full attention everywhere for a
+  family without one)."""
+  other = families.get_family(values["decoder_block"]).cycle_kind
   n = values["base_num_decoder_layers"]
-  if block in ("gemma3", "gpt_oss"):
-    other = SLIDING_ATTENTION
-  elif block in HYBRID_GDN_BLOCKS:
-    other = LINEAR_ATTENTION
-  elif block in HYBRID_MAMBA_BLOCKS:
-    other = MAMBA
-  else:
+  if other is None:
     return (FULL_ATTENTION,) * n
+  interval = values["inhomogeneous_layer_cycle_interval"]
   return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else other for i in range(n))
 
 
@@ -217,8 +207,9 @@ def validate(values: Mapping[str, Any]) -> None:
     )
   if values["rope_attention_factor"] < 0:
     raise _fail("rope_attention_factor", values["rope_attention_factor"], "must be >= 0 (0 = derived from the factor)")
-  if values["decoder_block"] == "gpt_oss":
-    _validate_gpt_oss(values)
+  family = families.get_family(values["decoder_block"])
+  if family.check is not None:
+    family.check(values)
 
   n = values["base_num_decoder_layers"]
   layer_types = values["layer_types"] or default_layer_types(values)
@@ -231,6 +222,13 @@ def validate(values: Mapping[str, Any]) -> None:
       raise _fail("layer_types", list(layer_types), f"entry {i} ({kind!r}) must be one of {', '.join(names)}")
     if declared.check is not None:
       declared.check(values, i)
+    owners = families.kind_owners(kind)
+    if owners and family.name not in owners:
+      raise _fail(
+          "layer_types",
+          list(values["layer_types"]),
+          f"layer {i} is {kind}, which needs decoder_block in {', '.join(owners)} (got {family.name!r})",
+      )
   if values["num_kv_shared_layers"] >= n:
     raise _fail("num_kv_shared_layers", values["num_kv_shared_layers"], f"must be < base_num_decoder_layers={n}")
   kv_shared_sources(tuple(layer_types), values["num_kv_shared_layers"])
@@ -273,23 +271,6 @@ def validate(values: Mapping[str, Any]) -> None:
     raise _fail("decode_sampling_nucleus_p", values["decode_sampling_nucleus_p"], "must be <= 1")
 
 
-def _validate_gpt_oss(values: Mapping[str, Any]) -> None:
-  """gpt-oss: clamped SwiGLU experts on every layer, softmax over the top-k router logits."""
-  for key in ("swiglu_alpha", "swiglu_limit"):
-    if values[key] <= 0:
-      raise _fail(key, values[key], "must be > 0 for decoder_block=gpt_oss")
-  if values["num_experts"] <= 0:
-    raise _fail("num_experts", values["num_experts"], "must be > 0 for decoder_block=gpt_oss (every layer is MoE)")
-  if not values["norm_topk_prob"]:
-    raise _fail("norm_topk_prob", False, "must be true for decoder_block=gpt_oss (softmax over the top-k logits)")
-  if values["shared_expert_mlp_dim"] or values["mlp_only_layers"] or values["decoder_sparse_step"] != 1:
-    raise ConfigError(
-        "decoder_block=gpt_oss has routed experts on every layer: shared_expert_mlp_dim must be 0, mlp_only_layers"
-        f" empty and decoder_sparse_step 1 (got {values['shared_expert_mlp_dim']}, {list(values['mlp_only_layers'])},"
-        f" {values['decoder_sparse_step']})"
-    )
-
-
 def _validate_axis_rules(rules: Any) -> None:
   seen = set()
   for entry in rules:
@@ -313,7 +294,7 @@ def state_block_size(cfg: Any) -> int:
 def derive(values: Mapping[str, Any]) -> dict[str, Any]:
   """Returns every derived value of a validated configuration (see the module docstring)."""
   n = values["base_num_decoder_layers"]
-  block = values["decoder_block"]
+  traits = families.get_family(values["decoder_block"]).traits
   layer_types = tuple(values["layer_types"]) or default_layer_types(values)
   experts = values["num_experts"]
   only_dense = set(values["mlp_only_layers"])
@@ -327,15 +308,7 @@ def derive(values: Mapping[str, Any]) -> dict[str, Any]:
       "layer_types": layer_types,
       "kv_shared_source": kv_shared_sources(layer_types, values["num_kv_shared_layers"]),
       "moe_layers": moe_layers,
-      "use_qk_norm": block in ("qwen3", "gemma3", "qwen3_next", "qwen3_5"),
-      "use_zero_centered_norm": block in ("gemma3", "qwen3_next", "qwen3_5"),
-      "use_sandwich_norm": block == "gemma3",
-      "use_embedding_scale": block == "gemma3",
-      "use_attention_output_gate": block in HYBRID_GDN_BLOCKS,
-      "use_attention_sinks": block == "gpt_oss",
-      "use_moe_bias": block == "gpt_oss",
-      "use_clamped_swiglu": block == "gpt_oss",
-      "use_global_rope_on_sliding": block == "gpt_oss",
+      **{f"use_{name}": value for name, value in dataclasses.asdict(traits).items()},
       "rotary_dim": int(values["head_dim"] * values["partial_rotary_factor"]),
       "attention_scale": (
           values["attention_multiplier"]

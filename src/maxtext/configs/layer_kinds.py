@@ -3,7 +3,8 @@
 A layer kind is a name (`full_attention`, `sliding_attention`, `linear_attention`, `mamba`, ...), the kind of cache its
 layers ask the runner for (`attention`: paged KV blocks addressed by block tables; `recurrent`: one state slot per
 request), and an optional check of the config keys it reads. The four built-in kinds are declared here, below
-every model module, so a config can be validated without importing a model. A new kind is declared by
+every model module, so a config can be validated without importing a model. Which families may name a kind is
+the families' to say (`Family.owned_kinds` in `maxtext.configs.families`). A new kind is declared by
 `maxtext.layers.mixer.register_mixer`, which calls `register_layer_kind` with the mixer class's name, cache kind and
 config check: one registry call, nothing else to edit.
 """
@@ -24,9 +25,6 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LINEAR_ATTENTION = "linear_attention"
 MAMBA = "mamba"
-
-HYBRID_GDN_BLOCKS = ("qwen3_next", "qwen3_5")
-HYBRID_MAMBA_BLOCKS = ("granite_hybrid", "bamba")
 
 # check(values, layer_index) raises ConfigError (naming the config key, the value and what must hold) when the
 # config does not suit layer `layer_index` of this kind.
@@ -55,27 +53,11 @@ def _check_sliding(values: Mapping[str, Any], _: int) -> None:
     )
 
 
-def _check_linear(values: Mapping[str, Any], layer: int) -> None:
-  if values["decoder_block"] not in HYBRID_GDN_BLOCKS:
-    raise ConfigError(
-        f"layer_types={list(values['layer_types'])!r}: layer {layer} is linear_attention, which needs decoder_block in"
-        f" {', '.join(HYBRID_GDN_BLOCKS)} (got {values['decoder_block']!r})"
-    )
-
-
-def _check_mamba(values: Mapping[str, Any], layer: int) -> None:
-  if values["decoder_block"] not in HYBRID_MAMBA_BLOCKS:
-    raise ConfigError(
-        f"layer_types={list(values['layer_types'])!r}: layer {layer} is mamba, which needs decoder_block in"
-        f" {', '.join(HYBRID_MAMBA_BLOCKS)} (got {values['decoder_block']!r})"
-    )
-
-
 _KINDS: dict[str, LayerKind] = {
     FULL_ATTENTION: LayerKind(FULL_ATTENTION, ATTENTION_CACHE),
     SLIDING_ATTENTION: LayerKind(SLIDING_ATTENTION, ATTENTION_CACHE, _check_sliding),
-    LINEAR_ATTENTION: LayerKind(LINEAR_ATTENTION, RECURRENT_CACHE, _check_linear),
-    MAMBA: LayerKind(MAMBA, RECURRENT_CACHE, _check_mamba),
+    LINEAR_ATTENTION: LayerKind(LINEAR_ATTENTION, RECURRENT_CACHE),
+    MAMBA: LayerKind(MAMBA, RECURRENT_CACHE),
 }
 
 

@@ -88,6 +88,40 @@ def available_models(base_path: str = BASE_CONFIG_PATH) -> list[str]:
   return sorted(name[: -len(".yml")] for name in os.listdir(models_dir) if name.endswith(".yml"))
 
 
+def _resolve_yaml(name: str, beside: str) -> str:
+  """A config YAML named in another: a path relative to the naming file's folder, or a bare file name shipped with
+  the package (as on the command line)."""
+  path = os.path.join(os.path.dirname(beside), os.path.expanduser(name))
+  if not os.path.isfile(path) and os.path.dirname(name) == "":
+    path = os.path.join(CONFIG_DIR, name)
+  return path
+
+
+def read_config_yaml(path: str) -> dict[str, Any]:
+  """A config YAML with its `base_config` chain resolved: as in MaxText, a file that sets `base_config: base.yml`
+  holds only the keys it changes, laid over that file's (which may name its own base).
+
+  Raises:
+    ConfigError: as `read_yaml`, or a `base_config` that is not a YAML file name or that names a file of the chain
+      again.
+  """
+  chain = [path]
+  layers = [read_yaml(path)]
+  while "base_config" in layers[-1]:
+    name = layers[-1].pop("base_config")
+    if not isinstance(name, str) or not name.endswith((".yml", ".yaml")):
+      raise ConfigError(f"{chain[-1]}: base_config must name a .yml file, got {name!r}")
+    parent = _resolve_yaml(name, chain[-1])
+    if os.path.realpath(parent) in {os.path.realpath(p) for p in chain}:
+      raise ConfigError(f"{chain[-1]}: base_config={name!r} makes a cycle ({' -> '.join(chain + [parent])})")
+    chain.append(parent)
+    layers.append(read_yaml(parent))
+  values: dict[str, Any] = {}
+  for layer in reversed(layers):
+    values.update(layer)
+  return values
+
+
 def _model_config_path(model_name: str, base_path: str) -> str:
   for directory in (os.path.dirname(base_path), CONFIG_DIR):
     path = os.path.join(directory, "models", f"{model_name}.yml")
@@ -146,7 +180,7 @@ def merge_layers(argv: Sequence[str] = (), **overrides: Any) -> dict[str, Any]:
   if isinstance(argv, str):
     raise ConfigError(f"argv must be a sequence of strings, got the string {argv!r}")
   base_path, cli_text = _parse_argv(argv)
-  base = read_yaml(base_path)
+  base = read_config_yaml(base_path)
   types = base_key_types()
   values = _typed_layer(base, types, base_path)
   missing = sorted(set(types) - set(values))
@@ -175,7 +209,8 @@ def merge_layers(argv: Sequence[str] = (), **overrides: Any) -> dict[str, Any]:
 def load_config(argv: Sequence[str] = (), **overrides: Any) -> ml_collections.FrozenConfigDict:
   """Loads, validates and derives a configuration.
 
-  Order (later wins): the base YAML (argv[0] if it is a .yml path, else the package's base.yml), then
+  Order (later wins): the base YAML (argv[0] if it is a .yml path, else the package's base.yml; a YAML that sets
+  `base_config` is laid over the file it names, see `read_config_yaml`), then
   `models/<model_name>.yml`, then the `key=value` items of argv and the keyword arguments (one layer: a key may
   not be set in both).
 

@@ -46,23 +46,12 @@ class BlockPool:
     self._hash_of: dict[int, Hashable] = {}  # registered block -> its hash
     self._block_of: dict[Hashable, int] = {}  # hash -> registered block
     self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # free cached, LRU first
-    self.num_evictions = 0
     self.peak_used = 0  # the most blocks in use at once
 
   @property
   def num_free(self) -> int:
     """Blocks that can be allocated now (never-cached free blocks plus free cached ones, which are evicted)."""
     return self._num_free + len(self._evictable)
-
-  @property
-  def num_cached(self) -> int:
-    """Blocks registered under a hash (in use or free)."""
-    return len(self._block_of)
-
-  @property
-  def num_free_cached(self) -> int:
-    """Free blocks that are still registered (evicted on demand, least recently freed first)."""
-    return len(self._evictable)
 
   @property
   def num_used(self) -> int:
@@ -93,7 +82,6 @@ class BlockPool:
     for _ in range(n - from_heap):
       block, _ = self._evictable.popitem(last=False)
       del self._block_of[self._hash_of.pop(block)]
-      self.num_evictions += 1
       blocks.append(block)
     for block in blocks:
       self._refcounts[block] = 1

@@ -1,9 +1,10 @@
 """The reference runner's step loop: schedule, allocate, build metadata, run the jitted model, sample.
 
 One step, as tpu-inference does it (docs/architecture.md, "One step"): the scheduler picks requests and token
-counts; the KV-cache manager allocates blocks per KV-cache group and recurrent state slots; the batch builder makes
-one `AttentionMetadata` per group; `jit(model.__call__)` runs with the caches donated and the layer map static;
-`compute_logits` runs on each request's last hidden state; the sampler picks tokens; the scheduler appends them.
+counts; the KV-cache manager allocates each KV-cache group's blocks from one pool, and recurrent state slots; the
+batch builder makes one `AttentionMetadata` per group; `jit(model.__call__)` runs with the caches donated and the
+layer map static; `compute_logits` runs on each request's last hidden state; the sampler picks tokens; the scheduler
+appends them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from maxtext.inference.request import Request, RequestStatus
 from maxtext.inference.sampler import Sampler, TokenLogprobs
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
 from maxtext.kernels import cpu_gemm, huge_pages
@@ -169,6 +169,11 @@ class LLMEngine:
   caches are sharded on it as the runner shards them. Compiled step programs are kept in the config's
   `compilation_cache_dir` for later runs (`compilation_cache.configure`).
 
+  Args:
+    cfg: the run's config. The model is built from its model keys alone (`MaxTextForCausalLM.from_config`); the
+      engine itself also reads the run options it owns (`run_options.RUNNER_KEYS`, and `seed`).
+    eos_token_id: the token that finishes a request, or None.
+
   Raises:
     ValueError: the mesh asks for more devices than JAX has.
     ConfigError: `compilation_cache_dir` is not a folder that can be created and written.
@@ -179,7 +184,7 @@ class LLMEngine:
     self.compilation_cache_dir = compilation_cache.configure(cfg.compilation_cache_dir)
     self.mesh = sharding.make_mesh(cfg)
     rng_key = jax.random.key(cfg.init_seed)
-    self.model = MaxTextForCausalLM(vllm_config_from_maxtext(cfg), rng_key, self.mesh)
+    self.model = MaxTextForCausalLM.from_config(cfg, rng_key, self.mesh)  # the model's keys only
     self.manager = make_kv_cache_manager(cfg)
     self.layer_map = self.manager.layer_name_to_kvcache_index
     self.recurrent_slots = self.manager.recurrent_slot_indices
@@ -596,10 +601,6 @@ class LLMEngine:
   def has_unfinished_requests(self) -> bool:
     """Whether any request is still waiting or running, or an abort is not yet reported by `step()`."""
     return self.scheduler.has_unfinished_requests() or bool(self._aborted)
-
-  def all_free(self) -> bool:
-    """Leak check: every block and state slot is back in its pool."""
-    return self.manager.all_free()
 
 
 def sampling_logits_indices(

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -641,14 +641,6 @@ class KVCacheManager:
     self._request_tables(request_id)
     return list(self._state_tables[request_id])
 
-  def prefix_cache_counts(self) -> dict[str, int]:
-    """Cached blocks (in use or free) and evictions so far, over every attention group and the state blocks."""
-    pools = [self._pool] + ([self._state_pool] if self._state_pool is not None else [])
-    return {
-        "cached_blocks": sum(p.num_cached for p in pools),
-        "evictions": sum(p.num_evictions for p in pools),
-    }
-
   def drain_slots_to_zero(self) -> list[int]:
     """State slots released since the last call; the engine zeroes these rows of every recurrent cache."""
     return [] if self._slot_pool is None else self._slot_pool.drain_slots_to_zero()
@@ -695,72 +687,6 @@ class KVCacheManager:
           f" {', '.join(g.describe() for g in full)}, but the pool has {self.num_blocks - 1} (block 0 is reserved);"
           " raise kv_cache_memory_bytes or num_kv_blocks"
       )
-
-  def all_free(self) -> bool:
-    """Leak check: no request holds anything and every block, state slot and state block is free (cached blocks
-    no request holds count as free: they are evicted on demand)."""
-    slots_free = self._slot_pool is None or self._slot_pool.num_used == 0
-    states_free = self._state_pool is None or (self._state_pool.num_used == 0 and not self._state_tables)
-    return not self._tables and slots_free and states_free and self._pool.num_used == 0
-
-  def check_consistency(self, live_request_ids: Collection[str]) -> None:
-    """Checks the allocation bookkeeping against the requests that should hold caches (a debugging aid).
-
-    Holds when: exactly `live_request_ids` hold tables; every block a table names has a reference count equal to
-    the number of table entries naming it, and every other block is free (or free and cached); the same for the
-    state blocks of prefix caching; no state slot is held by two requests, and the slot pool's used slots are
-    exactly the requests' slots.
-
-    Raises:
-      AssertionError: naming the first broken invariant (a leak, a double reference or a shared slot).
-    """
-    holders = set(self._tables)
-    if holders != set(live_request_ids):
-      raise AssertionError(
-          f"requests holding caches {sorted(holders)} differ from the live requests {sorted(live_request_ids)}"
-      )
-    counts: dict[int, int] = {}
-    group_of_block: dict[int, int] = {}
-    for tables in self._tables.values():
-      for gid, table in tables.items():
-        for block in table:
-          if block == NULL_BLOCK:
-            continue
-          counts[block] = counts.get(block, 0) + 1
-          if group_of_block.setdefault(block, gid) != gid:
-            # Layers of both groups may share an array: one would overwrite the other's keys and values.
-            raise AssertionError(f"block {block} is in the tables of groups {group_of_block[block]} and {gid}")
-    for block in range(1, self.num_blocks):
-      if self._pool.refcount(block) != counts.get(block, 0):
-        raise AssertionError(
-            f"block {block} has reference count {self._pool.refcount(block)} but {counts.get(block, 0)} block-table"
-            " entries"
-        )
-    self._check_state_blocks(holders)
-    slots = list(self._state_slots.values())
-    if len(set(slots)) != len(slots):
-      raise AssertionError(f"a state slot is held by two requests: {self._state_slots}")
-    used = 0 if self._slot_pool is None else self._slot_pool.num_used
-    if used != len(slots) or (self._slot_pool is not None and set(self._state_slots) != holders):
-      raise AssertionError(f"{used} state slots are in use but requests hold {sorted(slots)}")
-
-  def _check_state_blocks(self, holders: set[str]) -> None:
-    """Under prefix caching: state tables only for holders, reference counts equal to table entries."""
-    if self._state_pool is None:
-      return
-    if set(self._state_tables) != holders:
-      raise AssertionError(f"requests with state tables {sorted(self._state_tables)} differ from {sorted(holders)}")
-    counts: dict[int, int] = {}
-    for table in self._state_tables.values():
-      for block in table:
-        if block != NULL_BLOCK:
-          counts[block] = counts.get(block, 0) + 1
-    for block in range(1, self._state_pool.num_blocks):
-      if self._state_pool.refcount(block) != counts.get(block, 0):
-        raise AssertionError(
-            f"{self._state_pool.name}: state block {block} has reference count {self._state_pool.refcount(block)}"
-            f" but {counts.get(block, 0)} state-table entries"
-        )
 
   def _request_tables(self, request_id: str) -> dict[int, list[int]]:
     if request_id not in self._tables:

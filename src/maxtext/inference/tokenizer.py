@@ -3,7 +3,8 @@ tokenizer a GGUF file describes.
 
 All expose `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`, `bos_token_id`, `eos_token_id` and
 `chat_template` (None when the model has none). `tokenizer_from_config(cfg)` applies base.yml's rule:
-`tokenizer_path`, else `hf_model_path`, else `gguf_model_path`, else byte-level.
+`tokenizer_path`, else the tokenizer of the checkpoint that supplies the model keys (`hf_model_path` or
+`gguf_model_path`, see `maxtext.checkpoint.source`), else byte-level.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import logging
 import os
 from collections.abc import Sequence
 from typing import Any
+
+from maxtext.checkpoint import source
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +92,10 @@ class HFTokenizer:
     self.bos_token_id = self._special_id(folder, "bos")
     self.eos_token_id = self._special_id(folder, "eos")
     self.add_bos_token = True
-    self.chat_template = _folder_chat_template(folder)
+    try:
+      self.chat_template = source.folder_chat_template(folder)
+    except ValueError as e:
+      raise TokenizerError(str(e)) from None
 
   @classmethod
   def from_gguf(cls, path: str) -> "HFTokenizer":
@@ -98,12 +104,24 @@ class HFTokenizer:
     Raises:
       FileNotFoundError, NotImplementedError, ValueError: see `maxtext.checkpoint.gguf.load_gguf_tokenizer`.
     """
-    from maxtext.checkpoint import gguf  # pylint: disable=import-outside-toplevel  # needs the optional gguf package
+    return cls.from_files(source.GGUFFile(path).tokenizer())
 
-    parts = gguf.load_gguf_tokenizer(path)
+  @classmethod
+  def from_files(cls, files: source.TokenizerFiles) -> "HFTokenizer":
+    """The tokenizer a checkpoint source names: its tokenizer.json, or the one built from its metadata.
+
+    Raises:
+      TypeError: `files` is not a TokenizerFiles.
+      TokenizerError: see `HFTokenizer`.
+    """
+    if not isinstance(files, source.TokenizerFiles):
+      raise TypeError(f"HFTokenizer.from_files takes a TokenizerFiles, got {type(files).__name__}")
+    if files.parts is None:
+      return load_tokenizer(files.path)
+    parts = files.parts
     tokenizer = cls.__new__(cls)
     tokenizer._tokenizer = parts.tokenizer  # pylint: disable=protected-access  # an alternative constructor
-    tokenizer.path = os.fspath(path)
+    tokenizer.path = files.path
     tokenizer.vocab_size = parts.tokenizer.get_vocab_size(with_added_tokens=True)
     tokenizer.bos_token_id = parts.bos_token_id
     tokenizer.eos_token_id = parts.eos_token_id
@@ -162,18 +180,6 @@ def _tokenizer_file(path: str) -> str:
   return path
 
 
-def _folder_chat_template(folder: str) -> str | None:
-  jinja = os.path.join(folder, "chat_template.jinja")
-  if os.path.isfile(jinja):
-    with open(jinja, encoding="utf-8") as f:
-      return f.read()
-  template = _read_json(os.path.join(folder, "tokenizer_config.json")).get("chat_template")
-  if isinstance(template, list):
-    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-    template = named.get("default")
-  return template if isinstance(template, str) else None
-
-
 def _read_json(path: str) -> dict[str, Any]:
   if not os.path.isfile(path):
     return {}
@@ -197,20 +203,22 @@ def load_tokenizer(path: str) -> HFTokenizer:
 
 
 def tokenizer_from_config(cfg: Any) -> ByteTokenizer | HFTokenizer:
-  """`cfg.tokenizer_path`, else `cfg.hf_model_path`, else `cfg.gguf_model_path`'s tokenizer, else a byte-level
-  tokenizer of `cfg.vocab_size`.
+  """`cfg.tokenizer_path`, else the tokenizer of the model source (`cfg.hf_model_path`'s tokenizer.json or
+  `cfg.gguf_model_path`'s vocabulary), else a byte-level tokenizer of `cfg.vocab_size`.
 
   Raises:
+    ConfigError: both hf_model_path and gguf_model_path are set.
     TokenizerError: the chosen path cannot be loaded, a tokenizer has more ids than `vocab_size`, or the byte
       tokenizer does not fit `vocab_size`.
   """
-  path = cfg.tokenizer_path or cfg.hf_model_path
-  if not path and cfg.gguf_model_path:
-    tokenizer = HFTokenizer.from_gguf(cfg.gguf_model_path)
-  elif not path:
-    return ByteTokenizer(int(cfg.vocab_size))
+  if cfg.tokenizer_path:
+    tokenizer = load_tokenizer(cfg.tokenizer_path)
   else:
-    tokenizer = load_tokenizer(path)
+    checkpoint = source.model_source(cfg)
+    files = None if checkpoint is None else checkpoint.tokenizer()
+    if files is None:
+      return ByteTokenizer(int(cfg.vocab_size))
+    tokenizer = HFTokenizer.from_files(files)
   if tokenizer.vocab_size > int(cfg.vocab_size):
     raise TokenizerError(
         f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}"

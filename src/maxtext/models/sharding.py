@@ -232,11 +232,3 @@ def per_device_param_bytes(cfg: ml_collections.FrozenConfigDict, mesh: Mesh) -> 
     leaf = shapes[name]
     total += math.prod(sharding.shard_shape(tuple(leaf.shape))) * np.dtype(leaf.dtype).itemsize
   return total
-
-
-def params_are_sharded_as_configured(model: Transformer, cfg: ml_collections.FrozenConfigDict, mesh: Mesh) -> bool:
-  """Whether every parameter of `model` has the sharding `param_shardings` gives it."""
-  expected = param_shardings(cfg, mesh)
-  return all(
-      value.sharding.is_equivalent_to(expected[name], value.ndim) for name, value in get_flat_params(model).items()
-  )

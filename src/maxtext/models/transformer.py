@@ -1,7 +1,6 @@
 """Hybrid decoder-only transformer built from `cfg.layer_types` (Llama, Qwen3, Gemma3, Qwen3-Next, Qwen3.5,
 Granite 4.0, Bamba)."""
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -169,9 +168,3 @@ def abstract_model(cfg: ml_collections.FrozenConfigDict) -> Transformer:
     return Transformer(cfg, rngs=rngs)
 
   return nnx.eval_shape(build)
-
-
-def param_count(cfg: ml_collections.FrozenConfigDict) -> int:
-  """Number of parameters of the model described by `cfg`, from shapes only."""
-  leaves = jax.tree_util.tree_leaves(nnx.state(abstract_model(cfg), nnx.Param))
-  return sum(math.prod(leaf.shape) for leaf in leaves)

@@ -5,6 +5,7 @@ Written from the published architectures (docs/architecture.md lists the facts u
 dict (`maxtext.models.params` names).
 """
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -328,24 +329,54 @@ def moe(x: np.ndarray, p: Params, prefix: str, *, top_k: int, normalize: bool, a
   return out
 
 
-_ZERO_CENTERED = ("gemma3", "qwen3_next", "qwen3_5")
+@dataclasses.dataclass(frozen=True)
+class _Block:
+  """What a family's decoder block does beyond pre-norm attention and MLP, as the published architecture says.
+
+  Written here, not read from `maxtext.configs.families` or the derived config flags, so that the reference does
+  not share a mistake with the code it checks.
+  """
+
+  zero_centered: bool = False  # every RMSNorm scales by 1 + w
+  embedding_scale: bool = False  # embeddings times sqrt(D)
+  sandwich: bool = False  # norms after attention and after the MLP too
+  global_rope_on_sliding: bool = False  # sliding layers use the global (scaled) RoPE
+  gpt_oss_experts: bool = False  # biased router and experts, clamped SwiGLU, on every layer
+
+
+# One entry per family this reference implements (a new family adds its entry and, if needed, its functions).
+_BLOCKS: dict[str, _Block] = {
+    "llama2": _Block(),
+    "qwen3": _Block(),
+    "gemma3": _Block(zero_centered=True, embedding_scale=True, sandwich=True),
+    "qwen3_next": _Block(zero_centered=True),
+    "qwen3_5": _Block(zero_centered=True),
+    "gpt_oss": _Block(global_rope_on_sliding=True, gpt_oss_experts=True),
+}
 
 
 def model_forward(cfg: Any, p: Params, tokens: np.ndarray) -> np.ndarray:
   """Logits `[T, V]` of one sequence `tokens [T]` (positions 0..T-1), float64.
 
-  Family traits are read from `cfg.decoder_block` directly (not from derived config flags); the per-layer
-  kinds, KV-sharing sources and MoE layers come from the config.
+  Family traits come from this module's own table of `cfg.decoder_block` (not from derived config flags); the
+  per-layer kinds, KV-sharing sources and MoE layers come from the config.
+
+  Raises:
+    NotImplementedError: a family or a layer kind this reference does not implement.
   """
-  block = cfg.decoder_block
-  zc = block in _ZERO_CENTERED
+  if cfg.decoder_block not in _BLOCKS:
+    raise NotImplementedError(
+        f"decoder_block={cfg.decoder_block!r}: the float64 reference implements {', '.join(_BLOCKS)} only"
+    )
+  block = _BLOCKS[cfg.decoder_block]
+  zc = block.zero_centered
   eps = cfg.normalization_layer_epsilon
   act = cfg.mlp_activations[0]
   t = len(tokens)
   positions = np.arange(t)
   emb = f64(p["embedder.embedding"])
   x = emb[np.asarray(tokens)]
-  if block == "gemma3":
+  if block.embedding_scale:
     x = x * math.sqrt(cfg.base_emb_dim)
   dh = cfg.head_dim
   rd = int(dh * cfg.partial_rotary_factor)
@@ -371,7 +402,7 @@ def model_forward(cfg: Any, p: Params, tokens: np.ndarray) -> np.ndarray:
       )
     else:
       mscale = 1.0
-      if kind == "sliding_attention" and block != "gpt_oss":  # gpt-oss: one (yarn) RoPE for every layer
+      if kind == "sliding_attention" and not block.global_rope_on_sliding:
         freqs = inv_freq(rd, cfg.local_rope_max_timescale)
       else:
         freqs = inv_freq(
@@ -403,17 +434,17 @@ def model_forward(cfg: Any, p: Params, tokens: np.ndarray) -> np.ndarray:
           shared_kv=kvs[src] if src >= 0 else None,
           mscale=mscale,
       )
-    if block == "gemma3":
+    if block.sandwich:
       h = rms_norm(h, p[pre + "post_attn_norm.scale"], eps, zc)
     x = x + h
     h = rms_norm(x, p[pre + "pre_mlp_norm.scale"], eps, zc)
-    if block == "gpt_oss":
+    if block.gpt_oss_experts:
       h = gpt_oss_moe(h, p, pre + "moe.", top_k=cfg.num_experts_per_tok, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
     elif cfg.moe_layers[i]:
       h = moe(h, p, pre + "moe.", top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob, activation=act)
     else:
       h = mlp(h, p, pre + "mlp.", act)
-    if block == "gemma3":
+    if block.sandwich:
       h = rms_norm(h, p[pre + "post_mlp_norm.scale"], eps, zc)
     x = x + h
   x = rms_norm(x, p["final_norm.scale"], eps, zc)

@@ -14,7 +14,7 @@ import pytest
 
 from maxtext import decode
 from maxtext.checkpoint import gguf as gguf_loader
-from maxtext.checkpoint import load_model, load_run_config
+from maxtext.checkpoint import load_model, load_run_config, source
 from maxtext.configs import ConfigError, load_config
 from maxtext.inference.tokenizer import HFTokenizer, tokenizer_from_config
 
@@ -362,6 +362,22 @@ def test_the_tokenizer_comes_from_the_vocabulary_and_merges(llama_file):
   assert tokenizer.chat_template == TEMPLATE and tokenizer.token_text(1) == "<|im_start|>"
 
 
+def test_the_gguf_source_supplies_model_keys_tensors_tokenizer_and_template(llama_file):
+  path, weights = llama_file
+  gguf_file = source.open_source("gguf_model_path", str(path))
+  keys = gguf_file.model_keys()
+  assert (keys["decoder_block"], keys["base_emb_dim"], keys["base_num_decoder_layers"]) == ("llama2", D, LAYERS)
+  assert "gguf_model_path" not in keys
+  cfg = gguf_file.load_config()
+  assert cfg.gguf_model_path == str(path)
+  streamed = dict(gguf_file.iter_params(cfg))
+  np.testing.assert_array_equal(streamed["embedder.embedding"], weights["model.embed_tokens.weight"])
+  files = gguf_file.tokenizer()
+  assert files.path == str(path) and files.parts.eos_token_id == 2
+  assert gguf_file.chat_template() == TEMPLATE
+  assert gguf_file.tokenizer_keys() == {"gguf_model_path": str(path)}
+
+
 def test_an_unsupported_tokenizer_model_is_named(tmp_path):
   path = tmp_path / "spm.gguf"
   write_model(path, tokenizer_model="llama")
@@ -409,6 +425,24 @@ def test_the_converter_writes_an_orbax_copy_that_decodes_with_the_files_tokenize
   assert tokenizer_from_config(cfg).chat_template == TEMPLATE
   with pytest.raises(ValueError, match="exactly one of hf_model_path and gguf_model_path"):
     convert.convert(None, tmp_path / "x")
+
+
+def test_the_converted_yaml_is_a_config_that_decodes_as_the_file_does(llama_file, tmp_path, capsys):
+  from maxtext.checkpoint import convert  # pylint: disable=import-outside-toplevel  # the converter's own module
+
+  path, _ = llama_file
+  out = tmp_path / "converted"
+  argv = ["--gguf_model_path", str(path), "--output_dir", str(out), "--weight_dtype", "bfloat16", "--no_progress"]
+  assert convert.main(argv) == 0
+  capsys.readouterr()
+  run = ["prompt_token_ids=[1, 5, 6]", "max_new_tokens=4", "output_format=json", "max_target_length=32"]
+  assert decode.main([str(out / "maxtext_model.yml")] + run) == 0, capsys.readouterr().err
+  (converted,) = json.loads(capsys.readouterr().out)["requests"]
+  assert decode.main([f"gguf_model_path={path}", "weight_dtype=bfloat16"] + run) == 0, capsys.readouterr().err
+  (direct,) = json.loads(capsys.readouterr().out)["requests"]
+  assert converted["output_token_ids"] == direct["output_token_ids"] and len(direct["output_token_ids"]) == 4
+  cfg = convert.load_converted_config(out)
+  assert (cfg.weight_dtype, cfg.load_parameters_path) == ("bfloat16", str(out / "params"))
 
 
 def _metadata_file(path, arch="llama", drop=(), extra=None, tensors=(), pre="default", merges=True, tokens=True):

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext.checkpoint import hf, load_model, load_run_config, model_loader, save_params
+from maxtext.checkpoint import hf, load_model, load_run_config, model_loader, save_params, source
 from maxtext.configs import ConfigError, load_config
-from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm import adapter
 from maxtext.models import Transformer, abstract_model, get_flat_params
 
@@ -26,10 +25,10 @@ def test_random_init_when_no_checkpoint_is_configured():
 
 def test_orbax_checkpoint_wins(tmp_path):
   cfg = load_config(model_name="llama-tiny", init_seed=5)
-  source = Transformer(cfg, rngs=nnx.Rngs(5))
-  path = save_params(tmp_path / "ckpt", source)
+  original = Transformer(cfg, rngs=nnx.Rngs(5))
+  path = save_params(tmp_path / "ckpt", original)
   loaded = load_model(load_config(model_name="llama-tiny", load_parameters_path=path, hf_model_path="/not/used"))
-  _assert_same(get_flat_params(loaded), get_flat_params(source))
+  _assert_same(get_flat_params(loaded), get_flat_params(original))
 
 
 def test_prompt_token_ids_are_checked_against_the_hf_folders_vocabulary(tmp_path):
@@ -80,8 +79,8 @@ def test_the_adapter_traces_its_model_once_when_loading_a_folder(hf_checkpoint, 
     return abstract_model(c)
 
   monkeypatch.setattr(adapter, "abstract_model", counted)
-  monkeypatch.setattr(model_loader, "abstract_model", counted)
-  model = adapter.MaxTextForCausalLM(vllm_config_from_maxtext(cfg), None)
+  monkeypatch.setattr(source, "abstract_model", counted)
+  model = adapter.MaxTextForCausalLM.from_config(cfg, None)
   model.load_weights(None)
   assert len(calls) == 1
   _assert_same(get_flat_params(model.model), hf.load_hf_params(folder, cfg))

@@ -211,3 +211,29 @@ def test_schema_helpers_reject_unsupported_defaults():
       "sliding_attention",
   )
   assert parse_command_line_value("logits_via_embedding", "0", bool) is False
+
+
+def test_a_yaml_with_base_config_holds_only_its_changes(tmp_path):
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "mid.yml").write_text("base_config: base.yml\nseed: 7\nmax_target_length: 96\n", encoding="utf-8")
+  (tmp_path / "sub" / "top.yml").write_text("base_config: ../mid.yml\nseed: 9\n", encoding="utf-8")
+  cfg = load_config([str(tmp_path / "sub" / "top.yml"), "num_kv_blocks=16"])
+  assert (cfg.seed, cfg.max_target_length, cfg.num_kv_blocks) == (9, 96, 16)
+  plain = load_config()
+  assert cfg.base_num_decoder_layers == plain.base_num_decoder_layers  # the rest comes from the package's base.yml
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("base_config: 3\n", r"base_config must name a .yml file, got 3"),
+        ("base_config: other.txt\n", r"base_config must name a .yml file, got 'other.txt'"),
+        ("base_config: missing.yml\n", r"config file '.*missing.yml' does not exist"),
+        ("base_config: loop.yml\n", r"base_config='loop.yml' makes a cycle \(.*loop.yml -> .*loop.yml\)"),
+    ],
+)
+def test_base_config_errors_name_the_file(tmp_path, text, match):
+  path = tmp_path / "loop.yml"
+  path.write_text(text, encoding="utf-8")
+  with pytest.raises(ConfigError, match=match):
+    load_config([str(path)])

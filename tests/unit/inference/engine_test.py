@@ -20,6 +20,7 @@ from maxtext.inference.engine import LLMEngine, check_finite_rows, greedy_token_
 from maxtext.kernels import cpu_attention, cpu_gemm, huge_pages
 from maxtext.layers import linears
 from maxtext.models import Transformer
+from maxtext.testing import kv_cache_checks
 
 # Tiny shapes: one token bucket (16) and one request bucket (8), so each engine compiles its step once (and a
 # request's solo run and its batched run use the same matmul shapes, hence the same rounding).
@@ -45,7 +46,7 @@ def _run(engine, max_steps=500):
       return done
     for finished in engine.step():
       done[finished.request_id] = finished
-    engine.manager.check_consistency({r.request_id for r in engine.scheduler.running})
+    kv_cache_checks.check_consistency(engine.manager, {r.request_id for r in engine.scheduler.running})
   raise AssertionError("the engine did not finish")
 
 
@@ -89,12 +90,12 @@ def test_abort_frees_at_once_and_leaves_the_others_unchanged(hybrid, when):
   if held:  # its blocks and state slot are back in the pools now, not at the next step
     assert hybrid.manager.num_free_blocks() > free_before[0]
     assert hybrid.manager.num_free_state_slots() == free_before[1] + 1
-  hybrid.manager.check_consistency({r.request_id for r in hybrid.scheduler.running})
+  kv_cache_checks.check_consistency(hybrid.manager, {r.request_id for r in hybrid.scheduler.running})
   done.update(_run(hybrid))
   assert done[victim].finish_reason == "abort"
   assert done[victim].output_token_ids == tuple(request.output_token_ids)
   assert [done[rid].output_token_ids for rid in ids] == expected
-  assert hybrid.all_free()
+  assert kv_cache_checks.all_free(hybrid.manager)
 
 
 def test_abort_of_an_unknown_or_finished_request_is_a_value_error(hybrid):
@@ -103,7 +104,7 @@ def test_abort_of_an_unknown_or_finished_request_is_a_value_error(hybrid):
   for bad in (rid, "never-added"):
     with pytest.raises(ValueError, match=rf"request '{bad}': no unfinished request has this id"):
       hybrid.abort_request(bad)
-  assert hybrid.all_free()
+  assert kv_cache_checks.all_free(hybrid.manager)
 
 
 def test_a_request_failing_validation_does_not_disturb_running_ones(hybrid):
@@ -119,7 +120,7 @@ def test_a_request_failing_validation_does_not_disturb_running_ones(hybrid):
     hybrid.add_request([9], params, request_id=ids[1])
   done.update(_run(hybrid))
   assert [done[rid].output_token_ids for rid in ids] == expected
-  assert hybrid.all_free()
+  assert kv_cache_checks.all_free(hybrid.manager)
 
 
 @pytest.mark.slow
@@ -135,7 +136,7 @@ def test_cache_exhaustion_preempts_and_every_request_matches_its_solo_run(name):
   done = _run(engine)
   assert engine.stats.preemptions > preemptions, "the pool must be small enough to force preemption"
   assert [done[rid].output_token_ids for rid in ids] == expected
-  assert engine.all_free()
+  assert kv_cache_checks.all_free(engine.manager)
 
 
 @pytest.mark.slow
@@ -144,7 +145,7 @@ def test_llm_abort_request_and_an_interrupted_generate_leave_nothing_behind(monk
   rid = llm.engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=30))
   llm.engine.step()
   llm.abort_request(rid)
-  assert llm.engine.all_free()
+  assert kv_cache_checks.all_free(llm.engine.manager)
   calls = []
   real_step = llm.engine.step
 
@@ -157,7 +158,7 @@ def test_llm_abort_request_and_an_interrupted_generate_leave_nothing_behind(monk
   monkeypatch.setattr(llm.engine, "step", step_then_interrupt)
   with pytest.raises(KeyboardInterrupt):
     llm.generate([[5, 6, 7], [8, 9] * 10], SamplingParams(max_tokens=8))
-  assert not llm.engine.scheduler.has_unfinished_requests() and llm.engine.all_free()
+  assert not llm.engine.scheduler.has_unfinished_requests() and kv_cache_checks.all_free(llm.engine.manager)
   monkeypatch.undo()
   (out,) = llm.generate([[11, 12]], SamplingParams(max_tokens=3))  # the next call runs only its own request
   assert len(out.outputs[0].token_ids) == 3 and llm.engine.stats.aborted_requests == 3
@@ -175,7 +176,7 @@ def test_a_set_cancel_event_stops_generate_before_its_next_step():
   with pytest.raises(KeyboardInterrupt, match="generate cancelled"):
     llm.generate([[5, 6, 7], [8, 9, 10]], SamplingParams(max_tokens=8), on_token=on_token, cancel=cancel)
   assert len(seen) == 2  # one step ran (both prompts prefilled and sampled once), the next did not
-  assert not llm.engine.scheduler.has_unfinished_requests() and llm.engine.all_free()
+  assert not llm.engine.scheduler.has_unfinished_requests() and kv_cache_checks.all_free(llm.engine.manager)
   assert llm.engine.stats.aborted_requests == 2
   (out,) = llm.generate([[11, 12]], SamplingParams(max_tokens=3), cancel=threading.Event())
   assert len(out.outputs[0].token_ids) == 3

@@ -8,6 +8,7 @@ import pytest
 
 from maxtext.configs import config_to_dict
 from maxtext.inference.kv_cache_manager import KVCacheManager
+from maxtext.testing import kv_cache_checks
 
 QWEN_RECURRENT = ("layer.0", "layer.1", "layer.2", "layer.4", "layer.5", "layer.6")
 
@@ -224,10 +225,10 @@ def test_allocate_grow_and_free(configs, make_specs):
   assert manager.num_free_blocks() == 3 and manager.has_request("a")
   assert manager.num_used_blocks(0) == 4 and manager.peak_used_blocks == 4
   manager.free("a")
-  assert manager.num_free_blocks() == 6 and not manager.all_free()
+  assert manager.num_free_blocks() == 6 and not kv_cache_checks.all_free(manager)
   assert manager.peak_used_blocks == 4
   manager.free("b")
-  assert manager.all_free() and not manager.has_request("a")
+  assert kv_cache_checks.all_free(manager) and not manager.has_request("a")
   assert not manager.drain_slots_to_zero()  # no recurrent layers
 
 
@@ -242,7 +243,7 @@ def test_sliding_groups_free_blocks_into_the_shared_pool_and_allocation_is_all_o
   assert [manager.block_table("a", g) for g in range(3)] == [[0, 0, 3, 4, 1], [0, 0, 7, 8, 2], [9, 10, 11, 12, 5]]
   assert manager.num_free_blocks() == 2
   assert [manager.num_used_blocks(g) for g in range(3)] == [3, 3, 5]
-  manager.check_consistency(["a"])
+  kv_cache_checks.check_consistency(manager, ["a"])
   # b needs a block in each of the three groups: nothing is allocated.
   assert not manager.allocate_slots("b", 0, 4)
   assert manager.num_free_blocks() == 2 and not manager.has_request("b")
@@ -250,7 +251,7 @@ def test_sliding_groups_free_blocks_into_the_shared_pool_and_allocation_is_all_o
   assert manager.block_table("a", 0) == [0, 0, 3, 4, 1]
   assert manager.peak_used_blocks == 12
   manager.free("a")
-  assert manager.all_free()
+  assert kv_cache_checks.all_free(manager)
 
 
 @pytest.mark.parametrize("num_computed, num_dead", [(7, 0), (10, 0), (11, 1), (14, 1), (15, 2), (19, 3)])
@@ -283,7 +284,7 @@ def test_state_slots_follow_requests(configs, make_specs):
   assert manager.num_free_state_slots() == 9 - 1 - 2
   manager.free("b")
   manager.free("c")
-  assert manager.all_free() and manager.drain_slots_to_zero() == [2, 1]
+  assert kv_cache_checks.all_free(manager) and manager.drain_slots_to_zero() == [2, 1]
 
 
 def test_no_free_state_slot_means_no_allocation(configs, make_specs):
@@ -380,11 +381,11 @@ def test_construction_errors(configs, make_specs, spec_types):
 def test_check_consistency_passes_on_real_bookkeeping_and_names_a_leak(configs, make_specs):
   manager = _manager(configs["qwen3_next"](block_size=4, num_kv_blocks=16), make_specs)
   assert manager.allocate_slots("a", 0, 9) and manager.allocate_slots("b", 0, 3)
-  manager.check_consistency({"a", "b"})
+  kv_cache_checks.check_consistency(manager, {"a", "b"})
   with pytest.raises(AssertionError, match=r"requests holding caches \['a', 'b'\] differ from the live requests \['a'\]"):
-    manager.check_consistency({"a"})  # "b" finished without being freed: a leak
+    kv_cache_checks.check_consistency(manager, {"a"})  # "b" finished without being freed: a leak
   manager.free("b")
-  manager.check_consistency({"a"})
+  kv_cache_checks.check_consistency(manager, {"a"})
 
 
 def test_check_consistency_finds_a_block_in_two_groups(configs, make_specs):
@@ -394,7 +395,7 @@ def test_check_consistency_finds_a_block_in_two_groups(configs, make_specs):
   manager._pool.incref([tables["a"][0][0]])  # pylint: disable=protected-access  # counts agree, groups do not
   tables["a"][1][0] = tables["a"][0][0]
   with pytest.raises(AssertionError, match=r"block 1 is in the tables of groups 0 and 1"):
-    manager.check_consistency({"a"})
+    kv_cache_checks.check_consistency(manager, {"a"})
 
 
 def test_check_consistency_finds_a_block_or_state_slot_held_twice(configs, make_specs):
@@ -404,9 +405,9 @@ def test_check_consistency_finds_a_block_or_state_slot_held_twice(configs, make_
   tables = manager._tables  # pylint: disable=protected-access  # the invariant check must see broken books
   tables["b"][3][0] = tables["a"][3][0]
   with pytest.raises(AssertionError, match=r"block 1 has reference count 1 but 2 block-table entries"):
-    manager.check_consistency({"a", "b"})
+    kv_cache_checks.check_consistency(manager, {"a", "b"})
   tables["b"][3][0] = 2
   slots = manager._state_slots  # pylint: disable=protected-access  # as above
   slots["b"] = slots["a"]
   with pytest.raises(AssertionError, match=r"a state slot is held by two requests"):
-    manager.check_consistency({"a", "b"})
+    kv_cache_checks.check_consistency(manager, {"a", "b"})

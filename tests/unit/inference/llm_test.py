@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from maxtext.inference import LLM, CompletionOutput, RequestOutput, SamplingParams
+from maxtext.testing import kv_cache_checks
 
 EOS = 2  # the byte-level tokenizer's eos id
 BYTE_OFFSET = 3  # byte b is token b + 3 (0, 1, 2 are pad, bos, eos)
@@ -82,7 +83,7 @@ def test_a_string_prompt_is_byte_encoded_with_bos_and_decoded_greedily(llm, gree
   assert completion.text == byte_values.decode("utf-8", errors="replace")
   assert completion.logprobs is None
   assert completion.finish_reason == ("stop" if expected[-1] == EOS else "length")
-  assert llm.engine.all_free()
+  assert kv_cache_checks.all_free(llm.engine.manager)
 
 
 def test_token_id_prompts_single_or_listed_give_the_same_tokens(llm, greedy):
@@ -103,7 +104,7 @@ def test_a_batch_keeps_prompt_order_and_matches_each_prompt_alone(llm, greedy):
   assert [list(o.prompt_token_ids) for o in outputs] == ids
   assert _tokens(outputs) == [greedy(p, 4)[0] for p in ids]
   assert len({o.request_id for o in outputs}) == 4
-  assert llm.engine.all_free()
+  assert kv_cache_checks.all_free(llm.engine.manager)
 
 
 def test_one_sampling_params_per_prompt(llm, greedy):
@@ -123,14 +124,14 @@ def test_generate_iter_yields_each_output_as_soon_as_it_and_the_earlier_ones_are
   assert llm.engine.has_unfinished_requests()  # the others are still decoding
   # The third finishes before the second, but comes after it: prompt order.
   assert _tokens(list(outputs)) == expected[1:]
-  assert llm.engine.all_free()
+  assert kv_cache_checks.all_free(llm.engine.manager)
 
 
 def test_closing_generate_iter_early_aborts_the_unfinished_requests(llm, greedy):
   outputs = llm.generate_iter([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=12)])
   assert _tokens([next(outputs)]) == [greedy([5, 6, 7], 2)[0]]
   outputs.close()
-  assert not llm.engine.scheduler.has_unfinished_requests() and llm.engine.all_free()
+  assert not llm.engine.scheduler.has_unfinished_requests() and kv_cache_checks.all_free(llm.engine.manager)
   # The engine serves the next call as if nothing had happened (its first step reports the abort).
   assert _tokens(llm.generate([8, 9], SamplingParams(max_tokens=3))) == [greedy([8, 9], 3)[0]]
   assert not llm.engine.has_unfinished_requests()
@@ -195,7 +196,7 @@ def test_a_rejected_prompt_queues_none_of_the_batch(llm, greedy):
   outputs = llm.generate([[20, 21]], SamplingParams(max_tokens=2))
   assert _tokens(outputs) == [greedy([20, 21], 2)[0]]
   assert llm.engine.stats.generated_tokens - generated_before == 2
-  assert llm.engine.all_free()
+  assert kv_cache_checks.all_free(llm.engine.manager)
 
 
 def test_logprobs_follow_the_dense_forward_and_are_absent_unless_asked(llm, greedy):
@@ -243,7 +244,7 @@ def test_finish_reasons_stop_token_max_tokens_and_max_target_length(llm, greedy)
   assert list(capped.outputs[0].token_ids) == expected[:3] and capped.outputs[0].finish_reason == "length"
   # 29 prompt tokens + 3 generated reach max_target_length=32 before max_tokens=10.
   assert len(at_limit.outputs[0].token_ids) == 3 and at_limit.outputs[0].finish_reason == "length"
-  assert llm.engine.all_free()
+  assert kv_cache_checks.all_free(llm.engine.manager)
 
 
 def test_the_progress_bar_goes_to_stderr(llm, capsys):
@@ -272,7 +273,7 @@ def test_seeded_sampling_is_reproducible_across_engines_and_batches():
   assert _tokens(batch)[1] != _tokens(batch)[3]  # the same seed on another prompt too
   greedy_tokens = _tokens(other.generate([prompt], SamplingParams(max_tokens=8)))[0]
   assert _tokens(alone)[0] != greedy_tokens  # temperature 1.5 really samples
-  assert other.engine.all_free()
+  assert kv_cache_checks.all_free(other.engine.manager)
 
 
 def test_engine_stats_count_steps_tokens_and_compile_once_per_bucket():
@@ -294,7 +295,7 @@ def test_engine_stats_count_steps_tokens_and_compile_once_per_bucket():
   as_dict = stats.as_dict()
   assert as_dict["steps"] == 10 and as_dict["generated_tokens"] == 18
   assert as_dict["generated_tokens_per_s"] == pytest.approx(18 / stats.wall_time_s)
-  assert llm.engine.all_free()
+  assert kv_cache_checks.all_free(llm.engine.manager)
 
 
 def test_more_tensor_parallel_devices_than_jax_has_is_an_error():

@@ -15,6 +15,7 @@ from maxtext.inference import engine as engine_module
 from maxtext.inference.batch import build_batch
 from maxtext.inference.engine import LLMEngine
 from maxtext.inference.scheduler import ScheduledRequest, SchedulerOutput
+from maxtext.testing import kv_cache_checks
 
 # One token bucket (16) and one request bucket (8): every step of a request has the same shapes with or without
 # the overlap, hence the same rounding.
@@ -40,7 +41,7 @@ def _prompts(seed, lengths):
 def _step(engine, done):
   for finished in engine.step():
     done[finished.request_id] = finished
-  engine.manager.check_consistency({r.request_id for r in engine.scheduler.running})
+  kv_cache_checks.check_consistency(engine.manager, {r.request_id for r in engine.scheduler.running})
 
 
 def _run(engine, max_steps=400):
@@ -88,7 +89,7 @@ def test_overlapped_steps_give_the_tokens_and_books_of_steps_one_after_the_other
   assert expected[2][1] == "stop" and len(expected[2][0]) < 14
   assert off.stats.overlapped_steps == 0 and on.stats.overlapped_steps > 0
   assert on.stats.generated_tokens == sum(len(tokens) for tokens, _ in expected)  # the dropped ones not counted
-  assert on.all_free() and off.all_free()
+  assert kv_cache_checks.all_free(on.manager) and kv_cache_checks.all_free(off.manager)
 
 
 def test_a_request_that_stops_alone_leaves_a_step_ahead_that_the_next_step_drops():
@@ -101,7 +102,7 @@ def test_a_request_that_stops_alone_leaves_a_step_ahead_that_the_next_step_drops
   assert on._ahead is not None  # pylint: disable=protected-access  # planned before the stop token was seen
   # The next call drops it and runs the new request from its own schedule.
   assert _run_one(on, prompt, SamplingParams(max_tokens=12)) == reference
-  assert on.all_free()
+  assert kv_cache_checks.all_free(on.manager)
 
 
 def _run_one(engine, prompt, params):
@@ -123,7 +124,7 @@ def test_an_abort_while_a_step_ahead_is_in_flight_drops_only_that_request():
   assert done[victim].finish_reason == "abort" and list(done[victim].output_token_ids) == generated
   assert expected[0][0][: len(generated)] == tuple(generated)
   assert _outputs(done, ids[1:]) == expected[1:]
-  assert on.all_free()
+  assert kv_cache_checks.all_free(on.manager)
 
 
 def test_a_request_added_while_a_step_ahead_is_in_flight_gets_its_solo_tokens():
@@ -138,7 +139,7 @@ def test_a_request_added_while_a_step_ahead_is_in_flight_gets_its_solo_tokens():
   done.update(_run(on))
   assert done[late].output_token_ids == alone
   assert all(done[rid].finish_reason == "length" for rid in ids)
-  assert on.all_free()
+  assert kv_cache_checks.all_free(on.manager)
 
 
 def test_no_step_is_planned_ahead_while_requests_wait_or_for_prefix_caching_state_blocks():
@@ -186,7 +187,7 @@ def test_a_failed_finite_check_drops_the_step_planned_ahead(monkeypatch):
     if on.scheduler.is_unfinished(rid):
       on.abort_request(rid)
   on.step()
-  assert on.all_free()
+  assert kv_cache_checks.all_free(on.manager)
 
 
 def test_a_batch_planned_ahead_leaves_the_fed_back_tokens_to_the_program():

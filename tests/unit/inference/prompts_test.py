@@ -5,6 +5,7 @@ import pytest
 
 from maxtext.inference import LLM, SamplingParams
 from maxtext.inference import prompts
+from maxtext.testing import kv_cache_checks
 
 
 @pytest.mark.parametrize(
@@ -86,7 +87,7 @@ def fixture_llm():
 def test_generate_rejects_bad_prompts_and_queues_nothing(llm, given, error, match):
   with pytest.raises(error, match=match):
     llm.generate(given, SamplingParams(max_tokens=1))
-  assert not llm.engine.has_unfinished_requests() and llm.engine.all_free()
+  assert not llm.engine.has_unfinished_requests() and kv_cache_checks.all_free(llm.engine.manager)
 
 
 @pytest.mark.parametrize(
@@ -106,7 +107,7 @@ def test_max_tokens_beyond_max_target_length_stops_there_with_reason_length(llm)
   (out,) = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=10**8))
   completion = out.outputs[0]
   assert (len(completion.token_ids), completion.finish_reason) == (28, "length")
-  assert llm.engine.all_free()
+  assert kv_cache_checks.all_free(llm.engine.manager)
 
 
 def test_numpy_token_ids_are_accepted_as_python_ints(llm):

@@ -7,6 +7,7 @@ from maxtext.inference import SamplingParams
 from maxtext.inference.kv_cache_manager import KVCacheManager
 from maxtext.inference.request import Request, RequestStatus
 from maxtext.inference.scheduler import Scheduler
+from maxtext.testing import kv_cache_checks
 
 
 def _scheduler(cfg, make_specs, **kwargs):
@@ -75,7 +76,7 @@ def test_max_num_seqs_limits_running_requests(configs, run, reference):
   assert _plan(outputs[0]) == [("r0", 4), ("r1", 4)]
   assert max(len(r) for r in running_before) == 2
   _check_against_reference(requests, reference, cfg, False)
-  assert manager.all_free()
+  assert kv_cache_checks.all_free(manager)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen3_next"])
@@ -93,7 +94,7 @@ def test_preemption_takes_the_newest_and_every_request_completes(configs, run, r
     assert list(out.preempted_request_ids) == newest_first[: len(out.preempted_request_ids)]
   assert sum(r.num_preemptions for r in requests) >= 1 and requests[0].num_preemptions == 0
   _check_against_reference(requests, reference, cfg, model == "qwen3_next")
-  assert manager.all_free()
+  assert kv_cache_checks.all_free(manager)
 
 
 @pytest.mark.parametrize(
@@ -120,7 +121,7 @@ def test_random_workloads_match_the_reference_and_leak_nothing(configs, run, ref
   outputs, _, manager = run(cfg, requests, num_state_slots=3 + seed % 2)
   assert any(out.preempted_request_ids for out in outputs), "the pool is small enough to force preemption"
   _check_against_reference(requests, reference, cfg, model == "qwen3_next")
-  assert manager.all_free()
+  assert kv_cache_checks.all_free(manager)
 
 
 def test_waiting_request_waits_for_blocks(configs, run, reference):
@@ -134,7 +135,7 @@ def test_waiting_request_waits_for_blocks(configs, run, reference):
   first_b = next(i for i, out in enumerate(outputs) if "b" in [r.request_id for r, _ in out.scheduled])
   assert first_b == 4  # after a's 4 tokens are generated and a is freed
   _check_against_reference(requests, reference, cfg, False)
-  assert manager.all_free()
+  assert kv_cache_checks.all_free(manager)
 
 
 def test_finish_reasons(configs, run, reference):

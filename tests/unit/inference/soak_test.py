@@ -7,7 +7,7 @@ Two drivers, same workload generator:
     prompt alone, and an aborted request's tokens must be a prefix of them;
   - `LLMEngine` with the real tiny models: every request's tokens (greedy and seeded sampling) must equal the same
     request run alone in the same engine afterwards, logprobs included.
-After every step: `KVCacheManager.check_consistency` (reference counts equal block-table entries, every other
+After every step: `kv_cache_checks.check_consistency` (reference counts equal block-table entries, every other
 block free, no state slot held by two live requests, only live requests hold anything), the step's tokens within
 `max_num_batched_tokens`, at most `max_num_seqs` requests, no preempted request scheduled; at the end every block
 and slot is free. `SOAK_SEED=<n>` reruns with another seed; each run prints its figures (see docs/reliability.md).
@@ -28,6 +28,7 @@ from maxtext.inference.kv_cache_manager import KVCacheManager
 from maxtext.inference.request import Request
 from maxtext.inference.scheduler import Scheduler
 from maxtext.integration.vllm import kv_cache_spec
+from maxtext.testing import kv_cache_checks
 
 SEED = int(os.environ.get("SOAK_SEED", "0"))
 FAMILIES = ["qwen3-next-tiny", "qwen3.5-tiny", "gemma3-tiny", "kvshare-tiny"]
@@ -131,7 +132,7 @@ def _check_step(cfg, out, scheduler, figures):
   assert sum(counts) <= cfg.max_num_batched_tokens and len(counts) <= cfg.max_num_seqs, counts
   assert len(scheduler.running) <= cfg.max_num_seqs
   assert not set(out.preempted_request_ids) & {r.request_id for r, _ in out.scheduled}
-  scheduler.kv_cache_manager.check_consistency({r.request_id for r in scheduler.running})
+  kv_cache_checks.check_consistency(scheduler.kv_cache_manager, {r.request_id for r in scheduler.running})
   figures.preemptions += len(out.preempted_request_ids)
   figures.checks += 1
 
@@ -171,9 +172,9 @@ def test_soak_scheduler_with_the_paged_fake_model(name, paged_fake_model, refere
       continue
     predictions = model.step(build_batch(cfg, out, manager), out.slots_to_zero)
     scheduler.update_from_output(out, {rid: predictions[rid] for rid in out.sampling_request_ids})
-    scheduler.kv_cache_manager.check_consistency({r.request_id for r in scheduler.running})
+    kv_cache_checks.check_consistency(scheduler.kv_cache_manager, {r.request_id for r in scheduler.running})
     figures.steps += 1
-  figures.leaks = int(not manager.all_free())
+  figures.leaks = int(not kv_cache_checks.all_free(manager))
   print(figures.line(f"{name} (scheduler, fake model)"))
   assert figures.leaks == 0
   assert figures.preemptions > 0 and figures.aborts > 0 and figures.rejected > 0
@@ -228,7 +229,7 @@ def test_soak_engine_with_the_real_model(name):
     if outputs:
       _check_step(cfg, outputs.pop(), engine.scheduler, figures)
     figures.steps += 1
-  figures.leaks = int(not engine.all_free())
+  figures.leaks = int(not kv_cache_checks.all_free(engine.manager))
   print(figures.line(f"{name} (engine, real model)"))
   assert figures.leaks == 0 and figures.preemptions > 0 and figures.aborts > 0
   assert sorted(done) == sorted(submitted)
@@ -244,5 +245,5 @@ def test_soak_engine_with_the_real_model(name):
       for a, b in zip(got.logprobs, alone.logprobs):
         assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top], (SEED, rid)
         np.testing.assert_allclose([a.logprob] + [v for _, v in a.top], [b.logprob] + [v for _, v in b.top], atol=1e-4)
-  assert engine.all_free()
+  assert kv_cache_checks.all_free(engine.manager)
   assert reasons["length"] and reasons["abort"], reasons

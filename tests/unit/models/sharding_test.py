@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 from maxtext.configs import ConfigError, load_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.integration.vllm import kv_cache_spec
-from maxtext.models import Transformer, flat_param_shapes, get_flat_params, param_count, sharding
+from maxtext.models import Transformer, flat_param_shapes, get_flat_params, sharding
+from maxtext.testing.param_checks import param_count, params_are_sharded_as_configured
 
 TINY = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "kvshare-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "gpt-oss-tiny"]
 
@@ -84,7 +85,7 @@ def test_sharded_creation_gives_the_unsharded_values_in_their_shardings(name, tp
   cfg = load_config(model_name=name, ici_tensor_parallelism=tp, ici_expert_parallelism=ep)
   mesh = sharding.make_mesh(cfg)
   model = sharding.create_sharded_model(cfg, mesh, jax.random.key(3))
-  assert sharding.params_are_sharded_as_configured(model, cfg, mesh)
+  assert params_are_sharded_as_configured(model, cfg, mesh)
   reference = get_flat_params(Transformer(cfg, rngs=nnx.Rngs(params=jax.random.key(3))))
   for param, value in get_flat_params(model).items():
     np.testing.assert_array_equal(np.asarray(value), np.asarray(reference[param]), err_msg=param)
@@ -92,7 +93,7 @@ def test_sharded_creation_gives_the_unsharded_values_in_their_shardings(name, tp
   if expert is not None:
     assert expert.sharding.spec == P("expert", None, "model")
   placed = sharding.shard_model(Transformer(cfg, rngs=nnx.Rngs(params=jax.random.key(3))), cfg, mesh)
-  assert sharding.params_are_sharded_as_configured(placed, cfg, mesh)
+  assert params_are_sharded_as_configured(placed, cfg, mesh)
 
 
 def test_cache_shardings_follow_the_runner():
@@ -167,4 +168,4 @@ def test_a_runner_mesh_without_the_expert_axis_shards_as_if_it_had_size_1():
       None, "model", None, None
   )
   model = sharding.create_sharded_model(cfg, runner_mesh, jax.random.key(3))
-  assert sharding.params_are_sharded_as_configured(model, cfg, runner_mesh)
+  assert params_are_sharded_as_configured(model, cfg, runner_mesh)

@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from maxtext.configs import load_config
-from maxtext.models import Transformer, abstract_model, get_flat_params, param_count
+from maxtext.models import Transformer, abstract_model, get_flat_params
+from maxtext.testing.param_checks import param_count
 from maxtext.testing.reference import model_forward
 
 TINY = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "kvshare-tiny", "gpt-oss-tiny"]

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from maxtext.checkpoint import load_model, load_run_config
+from maxtext.checkpoint import load_model, load_run_config, source
+from maxtext.configs import run_options
 from maxtext.integration.vllm import hybrid_cache_utils, kv_cache_spec, kv_cache_spec_data
 from maxtext.kernels.attention_metadata import AttentionMetadata, metadata_for_layers, normalize_positions
 from maxtext.kernels.backend import get_backend
@@ -32,7 +33,7 @@ from maxtext.models import Transformer, abstract_model, sharding
 MAXTEXT_CONFIG_KEY = "maxtext_config"
 DUMMY_LOAD_FORMAT = "dummy"
 # The config keys that name a checkpoint; with none of them (and no model_name) vLLM's model folder is the source.
-CHECKPOINT_KEYS = ("load_parameters_path", "hf_model_path", "gguf_model_path")
+CHECKPOINT_KEYS = source.SOURCE_KEYS
 RUNNER_DTYPES = ("float32", "bfloat16")
 
 
@@ -46,35 +47,31 @@ def _attr(obj: Any, path: str, default: Any = None) -> Any:
 
 
 def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDict:
-  """Builds this package's config from a vLLM config, read by attribute only.
+  """Builds the model's config (`run_options.model_config`) from a vLLM config, read by attribute only.
 
   `additional_config["maxtext_config"]` holds config overrides (`model_name`, `hf_model_path`, ...), as a real
-  `VllmConfig` carries them (`--additional-config`). Unless overridden, the cache block size and dtype come from
-  `cache_config` and `dtype` / `weight_dtype` from `model_config.dtype`; `load_format == "dummy"` means random
-  weights, so `load_parameters_path`, `hf_model_path` and `gguf_model_path` are cleared. Otherwise, when the
-  overrides name no checkpoint and no `model_name`, vLLM's model folder (`model_config.model`, holding
-  config.json) is the Hugging Face checkpoint, as for any model vLLM serves. It may instead hold an already-built
-  config (what this package's reference runner passes), which is used as it is, after checking that it agrees with
-  `cache_config` and `load_config`.
+  `VllmConfig` carries them (`--additional-config`); the keys that only steer a `maxtext-decode` run (prompts,
+  sampling defaults, output, the reference runner's CPU knobs) are refused there. Unless overridden, the cache block
+  size and dtype come from `cache_config` and `dtype` / `weight_dtype` from `model_config.dtype`;
+  `load_format == "dummy"` means random weights, so `load_parameters_path`, `hf_model_path` and `gguf_model_path`
+  are cleared. Otherwise, when the overrides name no checkpoint and no `model_name`, vLLM's model folder
+  (`model_config.model`, holding config.json) is the Hugging Face checkpoint, as for any model vLLM serves.
 
   Raises:
     TypeError: `additional_config` or its `maxtext_config` entry is not a mapping.
-    ConfigError: the overrides do not form a valid config.
+    ConfigError: the overrides name a run option, or do not form a valid config.
     ValueError (from `_runner_dtype`): `model_config.dtype` is neither float32 nor bfloat16.
-    ValueError: a built config disagrees with `cache_config.block_size` or asks for a checkpoint under
-      `load_format="dummy"`.
   """
   additional = _attr(vllm_config, "additional_config") or {}
   if not isinstance(additional, Mapping):
     raise TypeError(f"vllm_config.additional_config must be a mapping, got {type(additional).__name__}")
   overrides = additional.get(MAXTEXT_CONFIG_KEY) or {}
-  if isinstance(overrides, ml_collections.FrozenConfigDict):
-    return _checked_built_config(overrides, vllm_config)
   if not isinstance(overrides, Mapping):
     raise TypeError(
         f"vllm_config.additional_config[{MAXTEXT_CONFIG_KEY!r}] must be a mapping of config keys, "
         f"got {type(overrides).__name__}"
     )
+  run_options.reject_run_options(overrides, f"vllm_config.additional_config[{MAXTEXT_CONFIG_KEY!r}]")
   overrides = dict(overrides)
   dtype = _runner_dtype(vllm_config)
   if dtype is not None:
@@ -87,14 +84,12 @@ def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDic
   if cache_dtype not in (None, "auto") and "kv_cache_dtype" not in overrides:
     overrides["kv_cache_dtype"] = str(cache_dtype)
   if _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT:
-    overrides["load_parameters_path"] = ""
-    overrides["hf_model_path"] = ""
-    overrides["gguf_model_path"] = ""
+    overrides.update({key: "" for key in CHECKPOINT_KEYS})
   elif not any(overrides.get(key) for key in CHECKPOINT_KEYS) and "model_name" not in overrides:
     model_folder = _attr(vllm_config, "model_config.model")
     if isinstance(model_folder, str) and os.path.isfile(os.path.join(model_folder, "config.json")):
       overrides["hf_model_path"] = model_folder  # vLLM's `model=` folder is the checkpoint
-  return load_run_config(**overrides)
+  return run_options.model_config(load_run_config(**overrides))
 
 
 def _runner_dtype(vllm_config: Any) -> str | None:
@@ -114,40 +109,61 @@ def _runner_dtype(vllm_config: Any) -> str | None:
   return name
 
 
-def _checked_built_config(cfg: ml_collections.FrozenConfigDict, vllm_config: Any) -> ml_collections.FrozenConfigDict:
-  block_size = _attr(vllm_config, "cache_config.block_size")
-  if block_size is not None and int(block_size) != cfg.block_size:
-    raise ValueError(
-        f"vllm_config.cache_config.block_size={block_size} disagrees with the built config's block_size="
-        f"{cfg.block_size} in additional_config[{MAXTEXT_CONFIG_KEY!r}]"
-    )
-  if _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT and (
-      cfg.load_parameters_path or cfg.hf_model_path or cfg.gguf_model_path
-  ):
-    raise ValueError(
-        "load_format is 'dummy' (random weights) but the built config in"
-        f" additional_config[{MAXTEXT_CONFIG_KEY!r}] names a checkpoint (load_parameters_path="
-        f"{cfg.load_parameters_path!r}, hf_model_path={cfg.hf_model_path!r}, gguf_model_path="
-        f"{cfg.gguf_model_path!r})"
-    )
-  return cfg
-
-
 class MaxTextForCausalLM(nnx.Module):
   """The runner-facing model: resolves the cache map, runs the paged decoder, returns the runner's 4-tuple."""
 
-  def __init__(self, vllm_config: Any, rng_key: jax.Array, mesh: jax.sharding.Mesh | None = None):
+  def __init__(
+      self,
+      vllm_config: Any,
+      rng_key: jax.Array,
+      mesh: jax.sharding.Mesh | None = None,
+      *,
+      built_config: ml_collections.FrozenConfigDict | None = None,
+  ):
+    """Builds the model as the runner does, `cls(vllm_config, rng_key, mesh)`; see `from_config` for the other way.
+
+    Args:
+      vllm_config: the runner's config, read by attribute (`maxtext_config_from_vllm`); None with `built_config`.
+      rng_key: the key of random (dummy) weights.
+      mesh: the runner's device mesh, or None for one device.
+      built_config: a config already built by `load_run_config`, instead of `vllm_config` (`from_config`).
+
+    Raises:
+      TypeError: both or neither of `vllm_config` and `built_config`, or `built_config` is not a built config.
+    """
     self.vllm_config = vllm_config
     self.mesh = mesh
-    self.cfg = maxtext_config_from_vllm(vllm_config)
+    if built_config is None:
+      if vllm_config is None:
+        raise TypeError("MaxTextForCausalLM needs a vllm_config (or a built config, through from_config)")
+      self.cfg = maxtext_config_from_vllm(vllm_config)
+      self.is_dummy = _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT
+    else:
+      if vllm_config is not None:
+        raise TypeError("MaxTextForCausalLM takes a vllm_config or a built_config, not both")
+      self.cfg = run_options.model_config(built_config)
+      self.is_dummy = not any(self.cfg[key] for key in CHECKPOINT_KEYS)
     self.backend = get_backend(self.cfg.kernel_backend, mesh)
     self.num_layers = self.cfg.base_num_decoder_layers
-    self.is_dummy = _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT
     if self.is_dummy:
       # With dummy weights the runner never calls load_weights; upstream MaxText initialises here too.
       self.load_weights(rng_key)
     else:
       self.model = abstract_model(self.cfg)
+
+  @classmethod
+  def from_config(
+      cls, cfg: ml_collections.FrozenConfigDict, rng_key: jax.Array, mesh: jax.sharding.Mesh | None = None
+  ) -> MaxTextForCausalLM:
+    """The model of a config this package already built (`load_run_config`): the reference runner's constructor.
+
+    The model keeps `cfg`'s model keys only (`run_options.model_config`), the same config `maxtext_config_from_vllm`
+    builds from the same keys, and has random weights when `cfg` names no checkpoint (vLLM's `load_format="dummy"`).
+
+    Raises:
+      TypeError: `cfg` is not a built config.
+    """
+    return cls(None, rng_key, mesh, built_config=cfg)
 
   @property
   def is_sharded(self) -> bool:
@@ -171,7 +187,7 @@ class MaxTextForCausalLM(nnx.Module):
       else:
         self.model = Transformer(cfg, rngs=nnx.Rngs(params=rng_key))
       return
-    if not (cfg.load_parameters_path or cfg.hf_model_path or cfg.gguf_model_path):
+    if source.weights_source(cfg) is None:
       raise ValueError(
           "load_format is not 'dummy' but none of load_parameters_path (Orbax), hf_model_path and gguf_model_path"
           " is set in additional_config['maxtext_config']"

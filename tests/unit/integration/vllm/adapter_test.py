@@ -9,10 +9,10 @@ import pytest
 from flax import nnx
 
 from maxtext.configs import ConfigError, load_config
-from maxtext.inference.vllm_config import CacheConfig, LoadConfig, ReferenceVllmConfig, vllm_config_from_maxtext
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM, maxtext_config_from_vllm
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
+from maxtext.testing.fake_vllm_config import FakeVllmConfig, fake_vllm_config
 from maxtext.testing.hlo import count_hlo_instructions, count_jaxpr_equations
 
 MAX_REQS = 8
@@ -21,7 +21,7 @@ NUM_BLOCKS = 8
 
 def _model(name="qwen3.5-tiny", **overrides):
   cfg = load_config(model_name=name, block_size=4, **overrides)
-  return MaxTextForCausalLM(vllm_config_from_maxtext(cfg), jax.random.key(0), None)
+  return MaxTextForCausalLM.from_config(cfg, jax.random.key(0), None)
 
 
 def _hybrid_layout(cfg):
@@ -163,45 +163,90 @@ def test_input_checks():
 
 
 def test_config_from_vllm_config_attributes():
-  base = vllm_config_from_maxtext(load_config(model_name="llama-tiny"))
-  vllm = dataclasses.replace(
-      base,
-      cache_config=CacheConfig(block_size=8, cache_dtype="bfloat16"),
-      additional_config={"maxtext_config": {"model_name": "llama-tiny"}},
-  )
+  vllm = fake_vllm_config({"model_name": "llama-tiny"}, block_size=8)
+  vllm = dataclasses.replace(vllm, cache_config=dataclasses.replace(vllm.cache_config, cache_dtype="bfloat16"))
   cfg = maxtext_config_from_vllm(vllm)
   assert cfg.block_size == 8 and cfg.kv_cache_dtype == "bfloat16" and cfg.model_name == "llama-tiny"
   # Keys given in maxtext_config win over the cache config.
-  assert (
-      maxtext_config_from_vllm(
-          dataclasses.replace(vllm, additional_config={"maxtext_config": {"block_size": 32}})
-      ).block_size
-      == 32
-  )
+  assert maxtext_config_from_vllm(fake_vllm_config({"block_size": 32}, block_size=8)).block_size == 32
   assert maxtext_config_from_vllm(object()).model_name == "default"  # nothing set: base.yml defaults
   with pytest.raises(TypeError, match="additional_config must be a mapping"):
-    maxtext_config_from_vllm(dataclasses.replace(base, additional_config=[1]))
+    maxtext_config_from_vllm(FakeVllmConfig(additional_config=[1]))
   with pytest.raises(TypeError, match=r"additional_config\['maxtext_config'\] must be a mapping"):
-    maxtext_config_from_vllm(dataclasses.replace(base, additional_config={"maxtext_config": "x"}))
+    maxtext_config_from_vllm(FakeVllmConfig(additional_config={"maxtext_config": "x"}))
   with pytest.raises(ConfigError, match="unknown config key 'nope'"):
-    maxtext_config_from_vllm(dataclasses.replace(base, additional_config={"maxtext_config": {"nope": 1}}))
-  dummy = dataclasses.replace(
-      base,
-      load_config=LoadConfig("dummy"),
-      additional_config={"maxtext_config": {"model_name": "llama-tiny", "load_parameters_path": "/x"}},
-  )
+    maxtext_config_from_vllm(fake_vllm_config({"nope": 1}))
+  dummy = fake_vllm_config({"model_name": "llama-tiny", "load_parameters_path": "/x"}, load_format="dummy")
   assert maxtext_config_from_vllm(dummy).load_parameters_path == ""
 
 
-def test_real_weights_need_a_source():
-  vllm = ReferenceVllmConfig(
-      model_config=None,
-      load_config=LoadConfig("auto"),
-      cache_config=CacheConfig(),
-      sharding_config=None,
-      additional_config={"maxtext_config": {"model_name": "llama-tiny"}},
+# The keys that only steer a maxtext-decode run, written out here rather than taken from the module under test.
+CLI_ONLY = (
+    "prompt",
+    "prompt_token_ids",
+    "prompts_file",
+    "use_chat_template",
+    "max_new_tokens",
+    "decode_sampling_temperature",
+    "decode_sampling_top_k",
+    "decode_sampling_nucleus_p",
+    "seed",
+    "logprobs",
+    "output_format",
+    "dry_run",
+)
+RUNNER_ONLY = (
+    "compilation_cache_dir",
+    "cpu_small_matmul",
+    "background_compile",
+    "overlap_decode_steps",
+    "huge_page_weights",
+    "cpu_weight_panels",
+)
+
+
+def test_the_config_the_adapter_builds_carries_no_run_option():
+  # Both ways of building the model: from a vLLM config, and from the CLI's config (every key set away from its
+  # default, so a key that leaked through would show its value).
+  from_vllm = maxtext_config_from_vllm(fake_vllm_config({"model_name": "llama-tiny"}))
+  cli = load_config(
+      model_name="llama-tiny",
+      prompt="hi",
+      max_new_tokens=3,
+      decode_sampling_temperature=0.5,
+      output_format="json",
+      seed=7,
+      cpu_small_matmul=False,
+      compilation_cache_dir="",
   )
-  model = MaxTextForCausalLM(vllm, jax.random.key(0), None)
+  from_cli = MaxTextForCausalLM.from_config(cli, jax.random.key(0), None).cfg
+  for cfg in (from_vllm, from_cli):
+    assert not set(CLI_ONLY + RUNNER_ONLY) & set(cfg.keys())
+    # The model's keys all travel: the model config is the loaded config without the run options.
+    assert set(cfg.keys()) == set(cli.keys()) - set(CLI_ONLY + RUNNER_ONLY)
+  assert from_cli == from_vllm  # the same model config, whichever way it was built
+
+
+@pytest.mark.parametrize("key, value", [("prompt", "hi"), ("max_new_tokens", 4), ("cpu_small_matmul", False)])
+def test_vllm_overrides_may_not_set_run_options(key, value):
+  with pytest.raises(ConfigError, match=rf"additional_config\['maxtext_config'\] sets {key}: options of a"):
+    maxtext_config_from_vllm(fake_vllm_config({"model_name": "llama-tiny", key: value}))
+
+
+def test_the_model_takes_one_config():
+  cfg = load_config(model_name="llama-tiny")
+  with pytest.raises(TypeError, match="takes a vllm_config or a built_config, not both"):
+    MaxTextForCausalLM(fake_vllm_config(), jax.random.key(0), None, built_config=cfg)
+  with pytest.raises(TypeError, match="needs a vllm_config"):
+    MaxTextForCausalLM(None, jax.random.key(0), None)
+  with pytest.raises(TypeError, match="takes a config built by load_config, got dict"):
+    MaxTextForCausalLM.from_config({"model_name": "llama-tiny"}, jax.random.key(0), None)
+  # A built config names no checkpoint: random weights, as vLLM's load_format="dummy".
+  assert MaxTextForCausalLM.from_config(cfg, jax.random.key(0), None).is_dummy
+
+
+def test_real_weights_need_a_source():
+  model = MaxTextForCausalLM(fake_vllm_config({"model_name": "llama-tiny"}), jax.random.key(0), None)
   assert not model.is_dummy
   with pytest.raises(ValueError, match="none of load_parameters_path .*, hf_model_path and gguf_model_path is set"):
     model.load_weights(jax.random.key(0))
@@ -337,14 +382,7 @@ def test_vllm_model_folder_and_dtype_feed_the_config(tmp_path):
   )
 
   def config(dtype="torch.bfloat16", **overrides):
-    vllm = ReferenceVllmConfig(
-        model_config=type("ModelConfig", (), {"model": str(tmp_path), "dtype": dtype})(),
-        load_config=LoadConfig("auto"),
-        cache_config=CacheConfig(),
-        sharding_config=None,
-        additional_config={"maxtext_config": overrides},
-    )
-    return maxtext_config_from_vllm(vllm)
+    return maxtext_config_from_vllm(fake_vllm_config(overrides, model=str(tmp_path), dtype=dtype))
 
   cfg = config()
   assert cfg.hf_model_path == str(tmp_path) and cfg.vocab_size == 300 and cfg.base_num_decoder_layers == 2

@@ -7,7 +7,6 @@ import jax
 import pytest
 
 from maxtext.configs import load_config
-from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
 from maxtext.integration.vllm import kv_cache_spec_data as spec_data_lib
 from maxtext.integration.vllm.kv_cache_spec import get_layer_spec
@@ -62,7 +61,7 @@ def test_kv_heads_are_the_models_own_whatever_the_tensor_parallel_size(tp):
 
 def test_the_model_class_exposes_its_spec_data():
   cfg = load_config(model_name="qwen3.5-tiny", block_size=4)
-  model = MaxTextForCausalLM(vllm_config_from_maxtext(cfg), jax.random.key(0), None)
+  model = MaxTextForCausalLM.from_config(cfg, jax.random.key(0), None)
   assert model.get_kv_cache_spec_data() == kv_cache_spec_data(cfg)
   assert model.get_kv_cache_spec_data()["layers"]["layer.0"]["kind"] == "mamba"
 

@@ -16,7 +16,6 @@ import pytest
 from flax import nnx
 
 from maxtext.configs import load_config
-from maxtext.inference.vllm_config import vllm_config_from_maxtext
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
@@ -50,7 +49,7 @@ def _model(name, backend, fake=None):
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
   modules = {} if fake is None else fake.modules()
   with mock.patch.dict(sys.modules, modules):
-    return MaxTextForCausalLM(vllm_config_from_maxtext(cfg), jax.random.key(0), mesh)
+    return MaxTextForCausalLM.from_config(cfg, jax.random.key(0), mesh)
 
 
 def _caches(cfg):

@@ -1,0 +1,126 @@
+"""The GGUF container reader against the `gguf` library: files written by `gguf.GGUFWriter`, metadata of every value
+type compared with `gguf.GGUFReader`'s, tensors with `gguf.quants.dequantize`, and hand-made broken headers."""
+
+import struct
+
+import numpy as np
+import pytest
+
+from maxtext.checkpoint import gguf_format
+
+gguf = pytest.importorskip("gguf")
+
+
+def _write(path, fields=(), tensors=(), alignment=None):
+  writer = gguf.GGUFWriter(str(path), "llama")
+  if alignment is not None:
+    writer.add_uint32("general.alignment", alignment)
+  for key, value, kind in fields:
+    writer.add_key_value(key, value, kind)
+  for name, array, raw_dtype in tensors:
+    writer.add_tensor(name, array, raw_dtype=raw_dtype)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path
+
+
+def _fields():
+  vt = gguf.GGUFValueType
+  return [
+      ("u8", 200, vt.UINT8),
+      ("i8", -5, vt.INT8),
+      ("u16", 60000, vt.UINT16),
+      ("i16", -30000, vt.INT16),
+      ("u32", 4_000_000_000, vt.UINT32),
+      ("i32", -2_000_000_000, vt.INT32),
+      ("f32", 0.1, vt.FLOAT32),
+      ("u64", 2**63 + 5, vt.UINT64),
+      ("i64", -(2**62), vt.INT64),
+      ("f64", 1e-300, vt.FLOAT64),
+      ("yes", True, vt.BOOL),
+      ("no", False, vt.BOOL),
+      ("text", "héllo wörld", vt.STRING),
+      ("empty", "", vt.STRING),
+      ("ints", [3, -1, 7], vt.ARRAY),
+      ("floats", [0.5, -2.25], vt.ARRAY),
+      ("words", ["a", "Ġb", "", "<|im_end|>"], vt.ARRAY),
+      ("flags", [True, False, True], vt.ARRAY),
+  ]
+
+
+def test_metadata_of_every_value_type_reads_as_gguf_reads_it(tmp_path):
+  path = _write(tmp_path / "m.gguf", _fields())
+  container = gguf_format.GGUFContainer(path)
+  reference = gguf.GGUFReader(str(path))
+  stored = {k: f for k, f in reference.fields.items() if not k.startswith("GGUF.")}  # the reader's header values
+  assert set(container.fields) == set(stored)
+  for key, field in stored.items():
+    assert container.fields[key] == field.contents(), key
+  assert container.fields["u64"] == 2**63 + 5 and container.fields["text"] == "héllo wörld"
+  assert container.fields["flags"] == [True, False, True] and container.fields["f32"] == np.float32(0.1)
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+@pytest.mark.parametrize("type_name", gguf_format.DEQUANTIZED_TYPES)
+def test_tensors_dequantize_as_gguf_dequantizes_them(tmp_path, type_name, alignment):
+  qtype = gguf.GGMLQuantizationType[type_name]
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((3, 5, 64)).astype(np.float32) * 4  # [a, b, c]: gguf lists the dims as (64, 5, 3)
+  odd = rng.standard_normal((7,)).astype(np.float32)  # a tensor that leaves the next one unaligned
+  if type_name == "F32":
+    data, raw = x, None
+  elif type_name == "F16":
+    data, raw = x.astype(np.float16), None
+  else:
+    data, raw = gguf.quants.quantize(x, qtype), qtype
+  path = _write(tmp_path / "t.gguf", tensors=[("odd", odd, None), ("t", data, raw)], alignment=alignment)
+  container = gguf_format.GGUFContainer(path)
+  infos = {t.name: t for t in container.tensors}
+  assert infos["t"].shape == (3, 5, 64) and infos["t"].type_name == type_name
+  reference = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+  expected = gguf.quants.dequantize(np.asarray(reference["t"].data), qtype)
+  got = container.dequantize(infos["t"])
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(got, np.asarray(expected, np.float32).reshape(3, 5, 64))
+  np.testing.assert_array_equal(container.dequantize(infos["odd"]), odd)
+
+
+def _header(version=3, tensors=0, fields=0, body=b""):
+  return b"GGUF" + struct.pack("<IQQ", version, tensors, fields) + body
+
+
+def _key(name: str) -> bytes:
+  return struct.pack("<Q", len(name)) + name.encode()
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (b"GGUF", "4 bytes is shorter than a GGUF header"),
+        (b"GGML" + bytes(20), r"starts with b'GGML', not the GGUF magic"),
+        (_header(version=1), r"GGUF version 1 is not supported \(supported: \(2, 3\)\)"),
+        (_header(fields=1, body=_key("k") + struct.pack("<I", 13)), "metadata value type 13 at byte 33"),
+        (_header(fields=1, body=_key("k") + struct.pack("<IQ", 8, 99) + b"abc"), "string of 99 bytes"),
+        (_header(fields=2, body=_key("k") + struct.pack("<IB", 0, 1)), "ends early or is corrupt at byte"),
+        (
+            _header(fields=1, body=_key("general.alignment") + struct.pack("<II", 4, 12)),
+            "general.alignment must be a positive multiple of 8, got 12",
+        ),
+    ],
+)
+def test_broken_headers_are_named(tmp_path, data, match):
+  path = tmp_path / "bad.gguf"
+  path.write_bytes(data)
+  with pytest.raises(gguf_format.GGUFFormatError, match=match):
+    gguf_format.GGUFContainer(path)
+
+
+def test_a_tensor_past_the_end_is_found_by_check_extent(tmp_path):
+  path = _write(tmp_path / "t.gguf", tensors=[("t", np.ones((4, 32), np.float32), None)])
+  path.write_bytes(path.read_bytes()[:-8])
+  container = gguf_format.GGUFContainer(path)
+  with pytest.raises(gguf_format.GGUFFormatError, match="tensor 't' ends at byte .*, past the end of the file"):
+    container.check_extent(container.tensors[0])
+  assert container.nbytes(container.tensors[0]) == 4 * 32 * 4

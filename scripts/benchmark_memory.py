@@ -2,18 +2,19 @@
 
 Five hybrid configs (test-size widths; the cache arithmetic depends only on layer kinds, KV heads, head_dim, block
 size and window):
-  gemma3      6 layers, 5 sliding (window 128) : 1 full attention, block 16
+  gemma3      12 layers, 5 sliding (window 128) : 1 full attention, block 16 (6 groups of 2 layers, 2 arrays)
   qwen3_next  8 layers, 3 Gated DeltaNet : 1 full attention, block 16 (no sliding layers)
   gpt_oss     4 layers, 1 sliding (window 128, gpt-oss's) : 1 full attention, block 16, head_dim 64
   granite_hybrid, bamba  4 layers, 3 Mamba2 : 1 full attention, block 16 (no sliding layers)
 For every context length it grows one request to that length through the KV-cache manager (chunked prefill of
 `--chunk` tokens, then one decode token, so sliding groups have freed what no query can reach) and counts the bytes
-it holds: blocks x page bytes per attention group, plus its recurrent state slot. It reports that with
-`hybrid_kv_cache=true` and `false`, their ratio, and the theoretical ratio
+it holds: the block ids it holds over every group x the bytes of one block id over every attention array (an id
+names that block in every array, so it is spent in all of them), plus its recurrent state slot. It reports that
+with `hybrid_kv_cache=true` and `false`, their ratio, and the theoretical ratio
   (attention layers x C) / (full layers x C + sliding layers x min(C, W))    (recurrent bytes added to both sides).
-For a fixed budget of `--budget-blocks` blocks per attention array it then admits requests of that length until
-the allocator refuses one (max concurrent requests, as allocated: every group has its own pool of that many
-blocks), and what the same bytes would hold if the groups shared one pool (budget bytes / bytes per request).
+The budget is the bytes of `--budget-blocks` blocks per layer with `hybrid_kv_cache=false`; both modes get those
+bytes (`kv_cache_memory_bytes`), each as many blocks as its layout holds. It then admits requests of that length
+until the allocator refuses one (max concurrent requests, as allocated), next to budget bytes / bytes per request.
 For contexts up to `--throughput-max-context` it also runs the engine: `min(max concurrent, --max-seqs)` requests
 of that length generating `--new-tokens` tokens each, reporting generated tokens/s of the call (prefill included,
 after a warm-up call of the same shapes).
@@ -34,7 +35,9 @@ from typing import Any
 from maxtext.checkpoint import load_run_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.inference.engine import make_kv_cache_manager
+from maxtext.inference.kv_cache_capacity import cache_bytes
 from maxtext.inference.kv_cache_manager import ATTENTION, KVCacheManager
+from maxtext.integration.vllm import kv_cache_spec
 from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
 
 CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
@@ -42,7 +45,7 @@ CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
 CONFIGS: dict[str, dict[str, Any]] = {
     "gemma3": {
         "model_name": "gemma3-tiny",
-        "base_num_decoder_layers": 6,
+        "base_num_decoder_layers": 12,
         "inhomogeneous_layer_cycle_interval": 6,
         "sliding_window_size": 128,
     },
@@ -56,9 +59,9 @@ QUICK_WINDOW = 32
 
 
 def config_overrides(
-    name: str, *, hybrid: bool, context: int, budget_blocks: int, max_seqs: int, chunk: int, quick: bool
+    name: str, *, hybrid: bool, context: int, budget_bytes: int, max_seqs: int, chunk: int, quick: bool
 ) -> dict[str, Any]:
-  """The config keys of one case (for `load_run_config` and `LLM`)."""
+  """The config keys of one case (for `load_run_config` and `LLM`); `budget_bytes` 0 sizes nothing."""
   overrides = dict(CONFIGS[name])
   if quick and "sliding_window_size" in overrides:
     overrides["sliding_window_size"] = QUICK_WINDOW
@@ -66,7 +69,7 @@ def config_overrides(
       overrides,
       hybrid_kv_cache=hybrid,
       block_size=16,
-      num_kv_blocks=budget_blocks,
+      kv_cache_memory_bytes=budget_bytes,
       max_target_length=context + 64,
       max_num_seqs=max_seqs,
       max_num_batched_tokens=chunk,
@@ -89,29 +92,22 @@ def grow_request(manager: KVCacheManager, request_id: str, context: int, chunk: 
 
 
 def request_bytes(manager: KVCacheManager, request_id: str) -> int:
-  """Cache bytes a request holds: its non-null blocks in every attention group plus its recurrent state."""
-  per_block: dict[int, int] = {}
-  recurrent = 0
-  for entry in manager.describe_slots():
-    if entry.kind == ATTENTION:
-      per_block[entry.group_id] = per_block.get(entry.group_id, 0) + entry.nbytes // manager.num_blocks
-    else:
-      recurrent += entry.nbytes // manager.num_state_slots
-  total = recurrent if manager.has_recurrent else 0
-  for gid, page_bytes in per_block.items():
-    total += page_bytes * sum(1 for block in manager.block_table(request_id, gid) if block != 0)
-  return total
+  """Cache bytes a request holds: its block ids over every attention group times the bytes of an id over every
+  attention array, plus its recurrent state."""
+  recurrent = sum(e.nbytes // manager.num_state_slots for e in manager.describe_slots() if e.kind != ATTENTION)
+  ids = sum(1 for gid in manager.attention_group_ids for block in manager.block_table(request_id, gid) if block != 0)
+  return ids * manager.block_bytes + recurrent
 
 
 def theoretical_ratio(manager: KVCacheManager, context: int) -> float:
   """Bytes per request keeping every block / keeping only the window, from the layer kinds and page sizes."""
-  keep_all, windowed, recurrent = 0.0, 0.0, 0.0
-  for entry in manager.describe_slots():
-    if entry.kind != ATTENTION:
-      recurrent += entry.nbytes / manager.num_state_slots
+  keep_all, windowed = 0.0, 0.0
+  recurrent = sum(e.nbytes / manager.num_state_slots for e in manager.describe_slots() if e.kind != ATTENTION)
+  for spec in kv_cache_spec.get_kv_cache_specs(manager.cfg).values():
+    if spec.cache_kind != ATTENTION:
       continue
-    per_token = entry.nbytes / manager.num_blocks / entry.spec.block_size
-    window = entry.spec.sliding_window
+    per_token = spec.page_size_bytes() / spec.block_size
+    window = spec.sliding_window
     keep_all += per_token * context
     windowed += per_token * (min(context, window) if window else context)
   return (keep_all + recurrent) / (windowed + recurrent)
@@ -147,24 +143,20 @@ def decode_throughput(overrides: dict[str, Any], context: int, num_requests: int
 def measure(name: str, context: int, args: argparse.Namespace) -> dict[str, Any]:
   """Bytes per request, ratios, capacity and (for short contexts) throughput of one (config, context) case."""
   row: dict[str, Any] = {"config": name, "context": context}
+  common = {"context": context, "max_seqs": args.max_seqs, "chunk": args.chunk, "quick": args.quick}
+  flat = load_run_config(
+      **config_overrides(name, hybrid=False, budget_bytes=0, **common), num_kv_blocks=args.budget_blocks
+  )
+  budget = cache_bytes(make_kv_cache_manager(flat))
   for hybrid in (True, False):
     key = "hybrid" if hybrid else "flat"
-    overrides = config_overrides(
-        name,
-        hybrid=hybrid,
-        context=context,
-        budget_blocks=args.budget_blocks,
-        max_seqs=args.max_seqs,
-        chunk=args.chunk,
-        quick=args.quick,
-    )
+    overrides = config_overrides(name, hybrid=hybrid, budget_bytes=budget, **common)
     cfg = load_run_config(**overrides)
     manager = make_kv_cache_manager(cfg)
     if not grow_request(manager, "probe", context, args.chunk):
-      raise SystemExit(f"benchmark_memory: one {context}-token request does not fit {args.budget_blocks} blocks")
+      raise SystemExit(f"benchmark_memory: one {context}-token request does not fit {budget} bytes")
     per_request = request_bytes(manager, "probe")
     manager.free("probe")
-    budget = sum(e.nbytes for e in manager.describe_slots() if e.kind == ATTENTION)
     row[f"{key}_bytes_per_request"] = per_request
     row[f"{key}_max_concurrent"] = max_concurrent(make_kv_cache_manager(cfg), context, args.chunk)
     row[f"{key}_pooled_capacity"] = budget // per_request
@@ -230,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--configs", choices=tuple(CONFIGS), nargs="+", default=list(CONFIGS), help="configs to run")
   parser.add_argument("--contexts", type=positive_int, nargs="+", default=None, help="request lengths (tokens)")
-  parser.add_argument("--budget-blocks", type=positive_int, default=None, help="blocks per attention array (2048)")
+  parser.add_argument(
+      "--budget-blocks", type=positive_int, default=None, help="cache bytes of this many blocks per layer (2048)"
+  )
   parser.add_argument("--chunk", type=positive_int, default=256, help="prefill chunk (max_num_batched_tokens)")
   parser.add_argument("--throughput-max-context", type=int, default=None, help="longest context run (1024)")
   parser.add_argument("--max-seqs", type=positive_int, default=8, help="most requests decoded together")
@@ -253,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   message = plot(rows, args.plot) if args.plot else ""
   settings = {k: getattr(args, k) for k in ("budget_blocks", "chunk", "max_seqs", "new_tokens", "quick")}
   header = (
-      f"block_size 16, budget {args.budget_blocks} blocks per attention array, prefill chunk {args.chunk}; "
+      f"block_size 16, budget: the bytes of {args.budget_blocks} blocks per layer, prefill chunk {args.chunk}; "
       "h/f = hybrid_kv_cache true/false"
   )
   lines = [header, format_table(rows)] + ([message] if message else [])

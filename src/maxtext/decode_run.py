@@ -18,6 +18,7 @@ import ml_collections
 
 from maxtext.checkpoint import load_run_config
 from maxtext.configs.errors import MissingDependencyError
+from maxtext.inference import kv_cache_capacity
 from maxtext.inference import prompts as prompt_checks
 from maxtext.inference.engine import make_kv_cache_manager
 from maxtext.inference.llm import LLM, RequestOutput
@@ -25,10 +26,11 @@ from maxtext.inference.prompts_file import FilePrompt, read_prompts_file
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import RequestNeverFitsError
 from maxtext.inference.streaming import TextStreamer
+from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.environment import PluginEnvironmentError
 
 # Errors that mean "the input is wrong", reported as one line with exit status 2. Anything else is a bug: traceback.
-# RequestNeverFitsError: the configured cache pools (num_kv_blocks, block_size) are too small for the request.
+# RequestNeverFitsError: the configured cache pool (kv_cache_memory_bytes or num_kv_blocks) is too small for the request.
 # OSError: a path that cannot be read (missing, a folder where a file is expected, no permission).
 # MissingDependencyError: an optional package the run needs (tokenizers, jinja2, ...) is not installed.
 USER_ERRORS = (
@@ -60,8 +62,11 @@ def sampling_params_from_config(cfg: ml_collections.FrozenConfigDict) -> Samplin
 
 
 def format_layout(cfg: ml_collections.FrozenConfigDict) -> str:
-  """Each layer's kind, KV-cache group, physical slot, cache shapes/dtypes/bytes, and the total memory."""
-  return make_kv_cache_manager(cfg).format_layout()
+  """Each layer's kind, KV-cache group, physical slot, cache shapes/dtypes/bytes, and the total memory; then what
+  the cache holds for requests of `max_target_length` tokens with the hybrid allocator on and off."""
+  specs, shared = kv_cache_spec.get_kv_cache_specs(cfg), kv_cache_spec.get_shared_kv_cache_layers(cfg)
+  layout = make_kv_cache_manager(cfg).format_layout()
+  return layout + "\n" + kv_cache_capacity.format_capacity(*kv_cache_capacity.compare(cfg, specs, shared))
 
 
 def _logprobs_json(output: Any) -> list[dict[str, Any]]:

@@ -42,6 +42,10 @@ def _tokens(seed, n):
   return [int(t) for t in np.random.default_rng(seed).integers(3, 512, n)]
 
 
+# 39 usable blocks per attention group in the one pool: kvshare-tiny with hybrid_kv_cache has four one-layer groups.
+NUM_KV_BLOCKS = {"kvshare-tiny": 1 + 39 * 4}
+
+
 def _llm(name, apc, layout="hybrid", hybrid=True, mamba_block_size=0):
   return LLM(
       model_name=name,
@@ -50,7 +54,7 @@ def _llm(name, apc, layout="hybrid", hybrid=True, mamba_block_size=0):
       enable_prefix_caching=apc,
       mamba_block_size=mamba_block_size,
       block_size=BLOCK,
-      num_kv_blocks=40,
+      num_kv_blocks=NUM_KV_BLOCKS.get(name, 40) if hybrid else 40,
       max_num_batched_tokens=32,
       min_token_bucket=32,  # one token bucket: one compiled step per engine
       max_num_seqs=4,

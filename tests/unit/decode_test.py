@@ -111,6 +111,21 @@ def test_prompt_token_ids_override_the_prompt(capsys):
   assert request["logprobs"] == []
 
 
+def test_dry_run_prints_what_the_cache_holds_with_the_hybrid_allocator_on_and_off(capsys):
+  # gemma3-tiny: layers s s f s s f (window 8): groups [0, 3], [1, 4], [2, 5] sharing 2 arrays; a block is
+  # (16, 4 packed heads, 1, 128) float32 = 32768 bytes per array: 65536 bytes on (2 arrays), 196608 off (6).
+  args = [BASE, "model_name=gemma3-tiny", "max_target_length=64", f"kv_cache_memory_bytes={65536 * 25}", "dry_run=true"]
+  assert decode.main(args) == 0
+  out = capsys.readouterr().out
+  assert "hybrid_kv_cache=true: 25 blocks of 65536 bytes (24 usable)" in out
+  # A 64-token request keeps 4 full-attention blocks and, in each sliding group, the one block keys 56..63 are in.
+  assert "group 0 (attention, sliding window 8, block_size 16): 1 blocks a request (16 tokens kept)" in out
+  assert "total: 6 blocks a request; 4 concurrent requests (256 tokens of context)" in out
+  assert "hybrid_kv_cache=false: 8 blocks of 196608 bytes (7 usable)" in out
+  assert "total: 4 blocks a request; 1 concurrent requests (64 tokens of context)" in out
+  assert "hybrid on admits 4.00x the requests of off" in out
+
+
 def test_dry_run_prints_every_layer_slot_and_the_total_without_running(capsys):
   assert decode.main([BASE, "model_name=qwen3-next-tiny", "kv_cache_layout=shuffled", "dry_run=true"]) == 0
   captured = capsys.readouterr()
@@ -254,7 +269,7 @@ def test_a_request_that_can_never_fit_its_sliding_pool_exits_2_with_one_line(cap
   assert "Traceback" not in err
   (line,) = [line for line in err.split("\n") if line.startswith("maxtext-decode: error: ")]
   assert err.endswith(line + "\n")
-  assert re.search(r"request '0' can never fit: .* raise num_kv_blocks", line), line
+  assert re.search(r"request '0' can never fit: .* raise kv_cache_memory_bytes or num_kv_blocks", line), line
 
 
 def test_one_cli_run_builds_the_config_once(monkeypatch, capsys):

@@ -14,9 +14,8 @@ import pytest
 
 import cases
 
-# Ours forms one KV-cache group per layer kind; vLLM forms groups of equal size per kind, and tpu-inference then
-# gives each position within the groups one array that the layers of different groups share
-# (docs/runner-contract.md, "The replica and the real runner").
+# The replica forms vLLM's groups and tpu-inference's shared arrays (src/maxtext/inference/kv_cache_groups.py); the
+# runner's recorded layout must equal it exactly (docs/runner-contract.md, "The replica and the real runner").
 _SPEC_KINDS = {"FullAttentionSpec": "attention", "SlidingWindowSpec": "attention", "MambaSpec": "recurrent"}
 
 
@@ -34,13 +33,13 @@ def test_family_decodes_like_transformers_and_maxtext(case, references, run_vllm
   print(case, json.dumps(result["layout"]))
 
 
-def _replica(folder: str) -> dict:
+def _replica(folder: str, **overrides) -> dict:
   """What this package's reference runner decides for the same model and engine settings."""
   # pylint: disable=import-outside-toplevel  # imported in the test process, after the tier's environment is set
   from maxtext.checkpoint import load_run_config
   from maxtext.inference.engine import make_kv_cache_manager
 
-  engine = cases.ENGINE
+  engine = {**cases.ENGINE, **overrides.pop("engine", {})}
   cfg = load_run_config(
       hf_model_path=folder,
       kernel_backend="reference",
@@ -50,44 +49,47 @@ def _replica(folder: str) -> dict:
       max_target_length=engine["max_model_len"],
       kv_cache_layout="hybrid",
       hybrid_kv_cache=True,
+      **overrides,
   )
   manager = make_kv_cache_manager(cfg)
   slots = manager.describe_slots()
+  shared = {f"layer.{i}" for i, source in enumerate(cfg.kv_shared_source) if source >= 0}
   return {
-      "groups": [(g.kind, list(g.layer_names)) for g in manager.groups],
+      "groups": [(g.kind, [n for n in g.layer_names if n not in shared]) for g in manager.groups],
       "layer_name_to_kvcache_index": dict(manager.layer_name_to_kvcache_index),
       "slots": [([list(s) for s in slot.shapes], list(slot.dtypes)) for slot in slots],
       "num_state_slots": manager.num_state_slots if manager.has_recurrent else None,
   }
 
 
+def _check_replica(upstream: dict, ours: dict) -> None:
+  """The replica's groups (kinds, members, order), slot map and per-array shapes equal the runner's."""
+  assert [(_SPEC_KINDS[g["spec"]], g["layers"]) for g in upstream["groups"]] == ours["groups"]
+  up_map, our_map = upstream["layer_name_to_kvcache_index"], ours["layer_name_to_kvcache_index"]
+  assert our_map == up_map
+  assert len(upstream["kv_caches"]) == len(ours["slots"])
+  for up_cache, (our_shapes, our_dtypes) in zip(upstream["kv_caches"], ours["slots"]):
+    assert [shape[1:] for shape, _ in up_cache] == [shape[1:] for shape in our_shapes]
+    assert [dtype for _, dtype in up_cache] == our_dtypes
+  recurrent = [layer for kind, layers in ours["groups"] if kind == "recurrent" for layer in layers]
+  if recurrent:  # one slot per request the runner holds, plus the null slot
+    assert {upstream["kv_caches"][up_map[layer]][0][0][0] for layer in recurrent} == {ours["num_state_slots"]}
+
+
 @pytest.mark.parametrize("case", list(cases.FAMILIES))
 def test_the_replica_decides_what_the_runner_decides(case, references, run_vllm):
-  """Layer kinds and their groups' membership, every layer's cache shape and dtype, and the state-slot count are
-  the runner's; the grouping granularity and the sharing of arrays are the known, documented difference."""
+  """Groups, slot map, every array's per-block (or per-slot) shapes and dtypes, and the state-slot count are the
+  runner's, exactly."""
   upstream = _family_run(case, references, run_vllm)["layout"]
-  ours = _replica(references[case]["folder"])
-  up_map, our_map = upstream["layer_name_to_kvcache_index"], ours["layer_name_to_kvcache_index"]
-  assert set(up_map) == set(our_map)
-  # Per layer: the same kind of cache with the same per-block (or per-slot) shapes and dtypes.
-  for layer, our_slot in our_map.items():
-    up_cache, (our_shapes, our_dtypes) = upstream["kv_caches"][up_map[layer]], ours["slots"][our_slot]
-    assert [shape[1:] for shape, _ in up_cache] == [shape[1:] for shape in our_shapes], layer
-    assert [dtype for _, dtype in up_cache] == our_dtypes, layer
-  # Groups: the union of the runner's groups of one kind is the replica's group of that kind.
-  up_by_kind: dict[str, set[str]] = {}
-  for group in upstream["groups"]:
-    up_by_kind.setdefault(_SPEC_KINDS[group["spec"]], set()).update(group["layers"])
-  our_by_kind: dict[str, set[str]] = {}
-  for kind, layers in ours["groups"]:
-    our_by_kind.setdefault(kind, set()).update(layers)
-  assert up_by_kind == our_by_kind
-  # Recurrent states: one slot per request the runner holds, plus the null slot; recurrent slots come first.
-  recurrent = [layer for kind, layers in ours["groups"] if kind == "recurrent" for layer in layers]
-  if recurrent:
-    assert {upstream["kv_caches"][up_map[layer]][0][0][0] for layer in recurrent} == {ours["num_state_slots"]}
-    for slots in (up_map, our_map):
-      assert max(slots[layer] for layer in recurrent) < min(s for layer, s in slots.items() if layer not in recurrent)
+  _check_replica(upstream, _replica(references[case]["folder"]))
+
+
+def test_the_replica_decides_what_the_runner_decides_with_kv_sharing(references, run_vllm):
+  """KV-shared layers map to their sources' arrays; gemma3's owners 0-3 form four one-layer groups."""
+  reference = references["gemma3_kv_sharing"]
+  config = cases.KV_SHARING["maxtext_config"]
+  upstream = run_vllm(reference["folder"], patched=True, maxtext_config=config)["layout"]
+  _check_replica(upstream, _replica(reference["folder"], **config))
 
 
 def _arrays(layout: dict) -> list[list[str]]:
@@ -143,4 +145,5 @@ def test_real_windows_under_the_real_runner(case, references, run_vllm):
   if case == "gemma3_5to1":
     assert [len(g["layers"]) for g in layout["groups"]] == [2] * 6
     assert [len(layers) for layers in _arrays(layout)] == [6, 6]
+  _check_replica(layout, _replica(reference["folder"], engine=cases.LONG[case]["engine"]))
   print(case, json.dumps(layout))

@@ -67,7 +67,6 @@ _POSITIVE = (
     "num_experts_per_tok",
     "decoder_sparse_step",
     "block_size",
-    "num_kv_blocks",
     "max_num_seqs",
     "max_num_batched_tokens",
     "min_token_bucket",
@@ -78,6 +77,8 @@ _POSITIVE = (
     "rope_original_max_position_embeddings",
 )
 _NON_NEGATIVE = (
+    "num_kv_blocks",
+    "kv_cache_memory_bytes",
     "sliding_window_size",
     "num_kv_shared_layers",
     "num_experts",

@@ -1,4 +1,4 @@
-"""A reference-counted pool of attention cache blocks (one pool per KV-cache group).
+"""A reference-counted pool of attention cache blocks (one pool that every KV-cache group draws from).
 
 Block 0 is the null block: it is never handed out, and block-table entries that point at no block (padding, or
 blocks a sliding-window group has released) hold 0. Allocation is deterministic: the lowest free ids first.
@@ -46,6 +46,7 @@ class BlockPool:
     self._hash_of: dict[int, Hashable] = {}  # registered block -> its hash
     self._block_of: dict[Hashable, int] = {}  # hash -> registered block
     self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # free cached, LRU first
+    self.peak_used = 0  # the most blocks in use at once
 
   @property
   def num_free(self) -> int:
@@ -84,6 +85,7 @@ class BlockPool:
       blocks.append(block)
     for block in blocks:
       self._refcounts[block] = 1
+    self.peak_used = max(self.peak_used, self.num_used)
     return blocks
 
   def lookup(self, block_hash: Hashable) -> int | None:
@@ -128,6 +130,7 @@ class BlockPool:
       if self._refcounts[block] == 0:
         del self._evictable[block]
       self._refcounts[block] += 1
+    self.peak_used = max(self.peak_used, self.num_used)
 
   def incref(self, blocks: Iterable[int]) -> None:
     """Adds one reference to each block (all must be in use; checked before anything changes).

@@ -1,9 +1,10 @@
 """The reference runner's step loop: schedule, allocate, build metadata, run the jitted model, sample.
 
 One step, as tpu-inference does it (docs/architecture.md, "One step"): the scheduler picks requests and token
-counts; the KV-cache manager allocates blocks per KV-cache group and recurrent state slots; the batch builder makes
-one `AttentionMetadata` per group; `jit(model.__call__)` runs with the caches donated and the layer map static;
-`compute_logits` runs on each request's last hidden state; the sampler picks tokens; the scheduler appends them.
+counts; the KV-cache manager allocates each KV-cache group's blocks from one pool, and recurrent state slots; the
+batch builder makes one `AttentionMetadata` per group; `jit(model.__call__)` runs with the caches donated and the
+layer map static; `compute_logits` runs on each request's last hidden state; the sampler picks tokens; the scheduler
+appends them.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class EngineStats:
   wall_time_s: float = 0.0
   prefix_cache_queries: int = 0
   prefix_cache_hits: int = 0
+  peak_running_requests: int = 0
+  peak_kv_blocks: int = 0
   cached_tokens_per_request: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def as_dict(self) -> dict[str, Any]:
@@ -62,7 +65,8 @@ class EngineStats:
     host (`overlap_decode_steps`). `prefix_cache_queries` / `prefix_cache_hits` count tokens looked up / found in
     the prefix cache at every admission (re-admissions after a preemption too); `cached_tokens_per_request` maps
     each finished request to the prompt tokens it skipped when first admitted. All are 0 / empty with
-    `enable_prefix_caching=false`.
+    `enable_prefix_caching=false`. `peak_running_requests` is the most requests a step ran together;
+    `peak_kv_blocks` the most blocks of the one KV-cache pool in use at once (of `num_kv_blocks - 1` usable).
     """
     out = dataclasses.asdict(self)
     out["generated_tokens_per_s"] = self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
@@ -496,6 +500,8 @@ class LLMEngine:
     self.stats.generated_tokens += len(sampled)
     self.stats.prefix_cache_queries = self.scheduler.prefix_cache_queries
     self.stats.prefix_cache_hits = self.scheduler.prefix_cache_hits
+    self.stats.peak_running_requests = max(self.stats.peak_running_requests, len(out.scheduled))
+    self.stats.peak_kv_blocks = self.manager.peak_used_blocks
     self.stats.wall_time_s += time.perf_counter() - start
     return aborted + [self._finished(r) for r in finished]
 

@@ -1,24 +1,30 @@
-"""KV-cache groups, the physical cache list, and per-request block / state-slot allocation.
+"""KV-cache groups, one shared block pool, the physical cache list, and per-request block / state-slot allocation.
 
-Groups (what shares one block table), from the per-layer specs (`get_kv_cache_specs`, KV-shared layers absent):
-  - `hybrid_kv_cache=True`: one attention group per distinct attention spec (full attention, and each sliding
-    window, are separate groups with separate block pools); sliding-window groups return blocks that no query can
-    reach any more to their pool.
-  - `hybrid_kv_cache=False`: ONE attention group for every attention layer; every layer keeps every block (the
-    window is still applied by the attention math).
-  - recurrent layers (Gated DeltaNet, any kind whose spec has cache_kind "recurrent") form one more group: they
-    hold no blocks but one state slot per request, the same slot in every recurrent layer's arrays.
-  Groups are numbered in order of first occurrence in layer order (as vLLM buckets specs), so a Qwen3-Next model,
-  whose layer 0 is GDN, has the recurrent group first. A KV-shared layer belongs to its source's group.
+Groups and arrays (`kv_cache_groups.py` has the rules, vLLM's and tpu-inference 0.32.0's): with
+`hybrid_kv_cache=True` layers are bucketed by spec and every bucket is split into groups of one size (a 5:1
+sliding:full model of 12 layers: 6 groups of 2 layers), and the j-th layers of the attention groups share one
+array (2 arrays of 6 layers); with `hybrid_kv_cache=False` every attention layer is in ONE group that keeps every
+block (the window is still applied by the attention math) and every layer has an array of its own. Recurrent layers
+(Gated DeltaNet, any spec with cache_kind "recurrent") form groups too; they hold no blocks but one state slot per
+request, the same slot in every recurrent array, and a model with them keeps one array per layer. A KV-shared layer
+belongs to its source's group and reads its source's array.
 
-Physical cache list (`cfg.kv_cache_layout`), one entry per layer that owns a cache (KV-shared layers own none):
-  - `layer`: entries in layer order;
-  - `hybrid`: every recurrent layer first (layer order), then every attention layer (as tpu-inference allocates);
-  - `shuffled`: the layer order permuted by `numpy.random.default_rng(cfg.seed).permutation`.
+One block pool serves every attention group (as vLLM's): each group's block tables draw block ids from it, and
+an id names the same block in every array. Layers sharing an array are of different groups, whose tables never
+hold one block at once, so their writes never meet. Blocks a sliding-window group frees serve any group next.
+The pool has `num_kv_blocks` blocks when that is set, else as many as `kv_cache_memory_bytes` holds: those bytes
+less the recurrent state slots, divided by the bytes of one block over every attention array (under prefix
+caching a state block joins each block, as the align scheme has one per block); 256 when neither is set.
+
+Physical cache list (`cfg.kv_cache_layout`), one entry per array:
+  - `hybrid`: tpu-inference's order (its slot keys in order of first occurrence; recurrent models: group by group);
+  - `layer`: sorted by each array's first layer;
+  - `shuffled`: the `hybrid` order permuted by `numpy.random.default_rng(cfg.seed).permutation`.
   `layer_name_to_kvcache_index` names the entry of EVERY layer; KV-shared layers point at their source's entry.
 
 Prefix caching (`enable_prefix_caching=true`): cached blocks, the align scheme of recurrent states and the hit
-rule are described in `prefix_cache.py` and docs/architecture.md.
+rule are described in `prefix_cache.py` and docs/architecture.md. The shared pool registers a block under its
+group and hash, so groups never take each other's blocks.
 
 Sliding-window freeing: a query at position q attends keys k with q - W < k <= q (W = window, self included).
 Queries only move forward, so once a step starts at `num_computed_tokens = c`, no query of this or any later
@@ -29,18 +35,25 @@ blocks, so freed blocks are never needed again.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
-from maxtext.configs.derived import KV_CACHE_LAYOUTS, state_block_size
+from maxtext.configs.derived import state_block_size
 from maxtext.configs.layer_kinds import ATTENTION_CACHE, RECURRENT_CACHE, get_layer_kind
 from maxtext.inference.block_pool import NULL_BLOCK, BlockPool
+from maxtext.inference.kv_cache_groups import (
+    CacheSlot,
+    KVCacheGroup,
+    cdiv,
+    order_arrays,
+    plan_arrays,
+    plan_groups,
+    spec_kind,
+)
 from maxtext.inference import prefix_cache
 from maxtext.inference.prefix_cache import PrefixHit, extend_block_hashes
 from maxtext.inference.state_slots import StateSlotPool
@@ -51,11 +64,7 @@ logger = logging.getLogger(__name__)
 ATTENTION = ATTENTION_CACHE
 RECURRENT = RECURRENT_CACHE
 MIN_REQUEST_BUCKET = 8
-
-
-def cdiv(a: int, b: int) -> int:
-  """Ceiling division of non-negative ints."""
-  return -(-a // b)
+DEFAULT_NUM_KV_BLOCKS = 256  # the pool when neither num_kv_blocks nor kv_cache_memory_bytes is set
 
 
 def max_num_reqs(cfg: Any) -> int:
@@ -63,75 +72,7 @@ def max_num_reqs(cfg: Any) -> int:
   return max(int(cfg.max_num_seqs), MIN_REQUEST_BUCKET)
 
 
-def spec_kind(name: str, spec: Any) -> str:
-  """The spec's declared `cache_kind`: "attention" or "recurrent".
-
-  Raises:
-    TypeError: the object declares neither (it is not a cache spec).
-  """
-  kind = getattr(spec, "cache_kind", None)
-  if kind not in (ATTENTION, RECURRENT):
-    raise TypeError(
-        f"{name}: a KV-cache spec must declare cache_kind {ATTENTION!r} or {RECURRENT!r} (an AttentionSpec or a"
-        f" RecurrentSpec), got {type(spec).__name__} with cache_kind {kind!r}"
-    )
-  return kind
-
-
-@dataclasses.dataclass(frozen=True)
-class KVCacheGroup:
-  """Layers that share one block table (attention) or the state-slot indices (recurrent).
-
-  Attributes:
-    group_id: index in `KVCacheManager.groups`.
-    kind: "attention" or "recurrent".
-    layer_names: every layer that reads this group's metadata, KV-shared layers included, in layer order.
-    spec: the spec of the group's layers (with `hybrid_kv_cache=False`, the first attention layer's).
-    block_size: tokens per block (None for the recurrent group).
-    sliding_window: the window whose out-of-reach blocks are freed (None: the group keeps every block).
-  """
-
-  group_id: int
-  kind: str
-  layer_names: tuple[str, ...]
-  spec: Any
-  block_size: int | None
-  sliding_window: int | None
-
-  def describe(self) -> str:
-    """A short name for messages, e.g. "group 1 (attention, sliding window 8, block_size 16)"."""
-    if self.kind == RECURRENT:
-      return f"group {self.group_id} (recurrent)"
-    window = f"sliding window {self.sliding_window}" if self.sliding_window else "keeps all blocks"
-    return f"group {self.group_id} (attention, {window}, block_size {self.block_size})"
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheSlot:
-  """One entry of the physical cache list.
-
-  Attributes:
-    slot: index in the list.
-    kind: "attention" (one array) or "recurrent" (a (conv, recurrent) tuple).
-    layer_names: the owning layer first, then the KV-shared layers that read it.
-    group_id: the owner's group.
-    spec: the owner's spec.
-    shapes: one shape (attention) or (conv shape, recurrent shape).
-    dtypes: matching dtype names.
-    nbytes: bytes of the entry.
-  """
-
-  slot: int
-  kind: str
-  layer_names: tuple[str, ...]
-  group_id: int
-  spec: Any
-  shapes: tuple[tuple[int, ...], ...]
-  dtypes: tuple[str, ...]
-  nbytes: int
-
-
-def _layer_index(name: str, where: str) -> int:
+def _layer_index(name: str, where: str = "") -> int:
   return hybrid_cache_utils.parse_layer_name(name, where)
 
 
@@ -159,15 +100,16 @@ class KVCacheManager:
   ):
     self.cfg = cfg
     self.num_layers = int(cfg.base_num_decoder_layers)
-    self.num_blocks = int(cfg.num_kv_blocks)
     self.max_target_length = int(cfg.max_target_length)
     self._specs = dict(specs)
     self._shared = dict(shared_layers)
     self._kinds = self._validate_layers(cfg)
     self.groups = self._form_groups(bool(cfg.hybrid_kv_cache))
     self._group_of_layer = {name: g.group_id for g in self.groups for name in g.layer_names}
-    self.slot_owners = self._physical_order(cfg.kv_cache_layout, int(cfg.seed))
-    owner_slot = {name: slot for slot, name in enumerate(self.slot_owners)}
+    self.slot_owners: tuple[tuple[str, ...], ...] = order_arrays(
+        plan_arrays(self._plans, self._specs, bool(cfg.hybrid_kv_cache)), cfg.kv_cache_layout, int(cfg.seed)
+    )
+    owner_slot = {name: slot for slot, names in enumerate(self.slot_owners) for name in names}
     slots = []
     for i in range(self.num_layers):
       name = hybrid_cache_utils.layer_name(i)
@@ -179,26 +121,60 @@ class KVCacheManager:
     self.mamba_block_size = state_block_size(cfg)
     # Under prefix caching recurrent layers address state blocks through a block table (the align scheme).
     self.uses_state_blocks = self.enable_prefix_caching and self.has_recurrent
+    self.num_blocks = self._pool_num_blocks(cfg)
     if num_state_slots is None:
       num_state_slots = self.num_blocks if self.uses_state_blocks else max_num_reqs(cfg) + 1
     self.num_state_slots = num_state_slots
     self._slot_pool = StateSlotPool(num_state_slots) if self.has_recurrent and not self.uses_state_blocks else None
-    self._pools = {g.group_id: BlockPool(self.num_blocks, name=g.describe()) for g in self.groups if g.kind == ATTENTION}
+    self._pool = BlockPool(self.num_blocks, name="the KV-cache block pool")
     self._tables: dict[str, dict[int, list[int]]] = {}
     self._num_allocated_tokens: dict[str, int] = {}
     self._state_slots: dict[str, int] = {}
     self.hash_block_size = self._hash_block_size()
-    recurrent_name = next((f"{g.describe()} state blocks" for g in self.groups if g.kind == RECURRENT), "")
-    self._state_pool = BlockPool(num_state_slots, name=recurrent_name) if self.uses_state_blocks else None
+    self._state_pool = BlockPool(num_state_slots, name="recurrent state blocks") if self.uses_state_blocks else None
     self._state_tables: dict[str, list[int]] = {}  # request -> state block per mamba_block_size tokens (0: none)
     self._hashes: dict[str, list[bytes]] = {}  # request -> chained hashes of its full hash blocks
     self._num_registered: dict[str, dict[int, int]] = {}  # request -> group -> leading blocks registered
     logger.info(
-        "KV-cache groups: %s; physical order (%s): %s",
+        "KV-cache groups: %s; %d blocks; physical order (%s): %s",
         "; ".join(f"{g.describe()}: {', '.join(g.layer_names)}" for g in self.groups),
+        self.num_blocks,
         cfg.kv_cache_layout,
-        ", ".join(self.slot_owners),
+        ", ".join("+".join(names) for names in self.slot_owners),
     )
+
+  @property
+  def block_bytes(self) -> int:
+    """Bytes of one block id over every attention array (and its state block under the align scheme)."""
+    per_block = sum(self._specs[names[0]].page_size_bytes() for names in self.slot_owners if self._is_attention(names))
+    if self.uses_state_blocks:
+      per_block += self._recurrent_slot_bytes()
+    return per_block
+
+  def _is_attention(self, owners: Sequence[str]) -> bool:
+    return self._kinds[owners[0]] == ATTENTION
+
+  def _recurrent_slot_bytes(self) -> int:
+    """Bytes of one state slot over every recurrent array."""
+    return sum(self._specs[names[0]].slot_size_bytes() for names in self.slot_owners if not self._is_attention(names))
+
+  def _pool_num_blocks(self, cfg: Any) -> int:
+    """The pool's blocks: `num_kv_blocks`, else what `kv_cache_memory_bytes` holds (see the module docstring)."""
+    explicit = int(cfg.num_kv_blocks)
+    memory = int(cfg.kv_cache_memory_bytes)
+    if explicit > 0:
+      return explicit
+    per_block = self.block_bytes
+    if memory <= 0 or per_block == 0:
+      return DEFAULT_NUM_KV_BLOCKS
+    fixed = 0 if self.uses_state_blocks else self._recurrent_slot_bytes() * (max_num_reqs(cfg) + 1)
+    num_blocks = (memory - fixed) // per_block
+    if num_blocks < 2:
+      raise ValueError(
+          f"kv_cache_memory_bytes={memory} holds {max(num_blocks, 0)} blocks of {per_block} bytes (after {fixed}"
+          f" bytes of recurrent state slots), but the pool needs at least 2 (block 0 is reserved); raise it"
+      )
+    return int(num_blocks)
 
   # ------------------------------------------------------------------ construction
   def _hash_block_size(self) -> int:
@@ -258,54 +234,36 @@ class KVCacheManager:
     return kinds
 
   def _form_groups(self, hybrid_kv_cache: bool) -> tuple[KVCacheGroup, ...]:
-    keys: dict[Any, list[str]] = {}  # insertion order = first occurrence in layer order
-    for i in range(self.num_layers):
-      name = hybrid_cache_utils.layer_name(i)
-      owner = self._shared.get(name, name)
-      spec = self._specs[owner]
-      if self._kinds[owner] == RECURRENT:
-        key = RECURRENT
-      elif hybrid_kv_cache:
-        key = (ATTENTION, spec)
-      else:
-        key = ATTENTION
-      keys.setdefault(key, []).append(name)
+    names = [hybrid_cache_utils.layer_name(i) for i in range(self.num_layers)]
+    owners = [name for name in names if name in self._specs]
+    self._plans = plan_groups(owners, self._specs, self._kinds, hybrid_kv_cache)
+    readers: dict[str, list[str]] = {}
+    for name in names:
+      if name in self._shared:
+        readers.setdefault(self._shared[name], []).append(name)
     groups = []
-    for group_id, (key, names) in enumerate(keys.items()):
-      first = self._specs[self._shared.get(names[0], names[0])]
-      if key == RECURRENT:
-        groups.append(KVCacheGroup(group_id, RECURRENT, tuple(names), first, None, None))
+    for group_id, plan in enumerate(self._plans):
+      layers = sorted(plan.layer_names + sum((tuple(readers.get(n, ())) for n in plan.layer_names), ()), key=_layer_index)
+      first = self._specs[plan.layer_names[0]]
+      if plan.kind == RECURRENT:
+        groups.append(KVCacheGroup(group_id, RECURRENT, tuple(layers), first, None, None))
         continue
-      for name in names:
-        block_size = self._specs[self._shared.get(name, name)].block_size
+      for name in plan.layer_names:
+        block_size = self._specs[name].block_size
         if block_size != first.block_size:
           raise ValueError(
               f"hybrid_kv_cache=False puts every attention layer in one KV-cache group, which needs one block size:"
-              f" {names[0]} has block_size {first.block_size} but {name} has {block_size}"
+              f" {plan.layer_names[0]} has block_size {first.block_size} but {name} has {block_size}"
           )
       window = first.sliding_window if hybrid_kv_cache and first.sliding_window else None
-      groups.append(KVCacheGroup(group_id, ATTENTION, tuple(names), first, int(first.block_size), window))
+      groups.append(KVCacheGroup(group_id, ATTENTION, tuple(layers), first, int(first.block_size), window))
     return tuple(groups)
-
-  def _physical_order(self, layout: str, seed: int) -> tuple[str, ...]:
-    names = [hybrid_cache_utils.layer_name(i) for i in range(self.num_layers)]
-    owners = [name for name in names if name in self._specs]
-    if layout == "layer":
-      return tuple(owners)
-    if layout == "hybrid":
-      return tuple(
-          [n for n in owners if self._kinds[n] == RECURRENT] + [n for n in owners if self._kinds[n] == ATTENTION]
-      )
-    if layout == "shuffled":
-      permutation = np.random.default_rng(seed).permutation(len(owners))
-      return tuple(owners[int(p)] for p in permutation)
-    raise ValueError(f"kv_cache_layout={layout!r}: must be one of {', '.join(KV_CACHE_LAYOUTS)}")
 
   # ------------------------------------------------------------------ physical caches
   @property
   def recurrent_slot_indices(self) -> tuple[int, ...]:
     """Indices of the physical list that hold recurrent state tuples (their rows are state slots)."""
-    return tuple(i for i, owner in enumerate(self.slot_owners) if self._kinds[owner] == RECURRENT)
+    return tuple(i for i, owners in enumerate(self.slot_owners) if not self._is_attention(owners))
 
   @property
   def attention_group_ids(self) -> tuple[int, ...]:
@@ -332,44 +290,42 @@ class KVCacheManager:
     """One description per physical cache entry, in physical order (for a layout printout).
 
     Args:
-      num_blocks: blocks per attention cache array (default `cfg.num_kv_blocks`).
+      num_blocks: blocks per attention cache array (default: the pool's).
     """
     num_blocks = self._check_num_blocks(num_blocks)
-    users: dict[str, list[str]] = {owner: [owner] for owner in self.slot_owners}
-    for i in range(self.num_layers):
-      name = hybrid_cache_utils.layer_name(i)
-      if name in self._shared:
-        users[self._shared[name]].append(name)
     described = []
-    for slot, owner in enumerate(self.slot_owners):
-      spec = self._specs[owner]
-      if self._kinds[owner] == RECURRENT:
-        shapes = tuple(tuple(s) for s in spec.cache_shapes(self.num_state_slots))
-        dtypes = tuple(str(d) for d in spec.state_dtypes)
-        nbytes = int(spec.slot_size_bytes()) * self.num_state_slots
-      else:
+    for slot, owners in enumerate(self.slot_owners):
+      spec = self._specs[owners[0]]
+      readers = [name for name, source in self._shared.items() if source in owners]
+      users = tuple(owners) + tuple(sorted(readers, key=_layer_index))
+      if self._is_attention(owners):
         shapes = (tuple(spec.cache_shape(num_blocks)),)
         dtypes = (str(spec.dtype),)
         nbytes = int(spec.page_size_bytes()) * num_blocks
-      described.append(
-          CacheSlot(
-              slot, self._kinds[owner], tuple(users[owner]), self._group_of_layer[owner], spec, shapes, dtypes, nbytes
-          )
-      )
+      else:
+        shapes = tuple(tuple(s) for s in spec.cache_shapes(self.num_state_slots))
+        dtypes = tuple(str(d) for d in spec.state_dtypes)
+        nbytes = int(spec.slot_size_bytes()) * self.num_state_slots
+      kind = self._kinds[owners[0]]
+      group_ids = tuple(self._group_of_layer[name] for name in owners)
+      described.append(CacheSlot(slot, kind, users, group_ids, spec, shapes, dtypes, nbytes))
     return tuple(described)
 
   def format_layout(self, num_blocks: int | None = None) -> str:
     """A human-readable table of the physical cache list and the groups."""
-    lines = [f"kv_cache_layout={self.cfg.kv_cache_layout} hybrid_kv_cache={bool(self.cfg.hybrid_kv_cache)}"]
+    lines = [
+        f"kv_cache_layout={self.cfg.kv_cache_layout} hybrid_kv_cache={bool(self.cfg.hybrid_kv_cache)}"
+        f" num_blocks={self._check_num_blocks(num_blocks)} (one pool for every attention group)"
+    ]
     for group in self.groups:
       lines.append(f"{group.describe()}: {', '.join(group.layer_names)}")
     total = 0
     for entry in self.describe_slots(num_blocks):
       arrays = " + ".join(f"{shape} {dtype}" for shape, dtype in zip(entry.shapes, entry.dtypes))
-      shared = f" (shared by {', '.join(entry.layer_names[1:])})" if len(entry.layer_names) > 1 else ""
+      groups = ", ".join(str(g) for g in entry.group_ids)
       lines.append(
-          f"kv_caches[{entry.slot}]: {entry.layer_names[0]}{shared} {entry.kind} group {entry.group_id}:"
-          f" {arrays} = {entry.nbytes} bytes"
+          f"kv_caches[{entry.slot}]: {', '.join(entry.layer_names)} {entry.kind} group{'s' * (len(entry.group_ids) > 1)}"
+          f" {groups}: {arrays} = {entry.nbytes} bytes"
       )
       total += entry.nbytes
     lines.append(f"total: {total} bytes")
@@ -383,14 +339,14 @@ class KVCacheManager:
     `[M, nv, dk, dv]`).
 
     Args:
-      num_blocks: blocks per attention array (default `cfg.num_kv_blocks`; must be at least that, or block ids the
-        pools hand out would fall outside the arrays).
+      num_blocks: blocks per attention array (default: the pool's; must be at least that, or block ids the pool
+        hands out would fall outside the arrays).
     """
     num_blocks = self._check_num_blocks(num_blocks)
     caches: list[Any] = []
-    for owner in self.slot_owners:
-      spec = self._specs[owner]
-      if self._kinds[owner] == RECURRENT:
+    for owners in self.slot_owners:
+      spec = self._specs[owners[0]]
+      if not self._is_attention(owners):
         shapes = spec.cache_shapes(self.num_state_slots)
         caches.append(tuple(jnp.zeros(shape, dtype) for shape, dtype in zip(shapes, spec.state_dtypes)))
       else:
@@ -402,7 +358,7 @@ class KVCacheManager:
       return self.num_blocks
     if num_blocks < self.num_blocks:
       raise ValueError(
-          f"num_blocks={num_blocks} is smaller than the block pools (num_kv_blocks={self.num_blocks}); block ids"
+          f"num_blocks={num_blocks} is smaller than the block pool ({self.num_blocks} blocks); block ids"
           " beyond the array would be out of range"
       )
     return num_blocks
@@ -469,19 +425,15 @@ class KVCacheManager:
       self._free_stale_states(request_id, num_computed_tokens)
       tables = self._tables[request_id]
     else:
-      tables = {gid: list(prefix_hit.blocks[gid]) if prefix_hit else [] for gid in self._pools}
-    needed = {gid: max(0, cdiv(total, self.groups[gid].block_size) - len(tables[gid])) for gid in self._pools}
+      tables = {gid: list(prefix_hit.blocks[gid]) if prefix_hit else [] for gid in self.attention_group_ids}
+    needed = {gid: max(0, cdiv(total, self.groups[gid].block_size) - len(tables[gid])) for gid in tables}
     # The cached blocks a hit takes back (the free ones among them count against the free blocks).
-    taken = {gid: [b for b in tables[gid] if b != NULL_BLOCK] if prefix_hit else [] for gid in self._pools}
+    taken = {gid: [b for b in tables[gid] if b != NULL_BLOCK] if prefix_hit else [] for gid in tables}
     state_taken = [prefix_hit.state_block] if prefix_hit is not None and prefix_hit.state_block is not None else []
-    for gid, n in needed.items():
-      pool = self._pools[gid]
-      reviving = sum(1 for b in taken[gid] if pool.refcount(b) == 0)
-      if n + reviving > pool.num_free:
-        logger.debug(
-            "request %s: %s has %d free blocks, needs %d", request_id, self.groups[gid].describe(), pool.num_free, n
-        )
-        return False
+    reviving = sum(1 for blocks in taken.values() for b in blocks if self._pool.refcount(b) == 0)
+    if sum(needed.values()) + reviving > self._pool.num_free:
+      logger.debug("request %s: %d free blocks, needs %d", request_id, self._pool.num_free, sum(needed.values()))
+      return False
     state_table, write_col = None, -1
     if self.uses_state_blocks:
       state_table = self._state_tables.get(request_id)
@@ -500,9 +452,9 @@ class KVCacheManager:
       logger.debug("request %s: no free state slot", request_id)
       return False
     for gid, blocks in taken.items():
-      self._pools[gid].take(blocks)
+      self._pool.take(blocks)
     for gid, n in needed.items():
-      tables[gid].extend(self._pools[gid].allocate(n))
+      tables[gid].extend(self._pool.allocate(n))
     if state_table is not None:
       self._state_pool.take(state_taken)
       state_table.extend([NULL_BLOCK] * (write_col + 1 - len(state_table)))
@@ -545,11 +497,11 @@ class KVCacheManager:
     hits = [functools.partial(self._group_hit, group, hashes) for group in self.groups]
     limit = prefix_cache.common_hit(hits, max(0, len(token_ids) - 1) // size)
     blocks = {}
-    for gid, pool in self._pools.items():
+    for gid in self.attention_group_ids:
       group = self.groups[gid]
       count = limit * size // group.block_size
       first = prefix_cache.first_window_block(count * group.block_size, group.block_size, group.sliding_window)
-      blocks[gid] = tuple(NULL_BLOCK if j < first else pool.lookup(hashes[j]) for j in range(count))
+      blocks[gid] = tuple(NULL_BLOCK if j < first else self._pool.lookup((gid, hashes[j])) for j in range(count))
     state_block = None
     if self.uses_state_blocks and limit:
       state_block = self._state_pool.lookup(hashes[limit - 1])
@@ -572,8 +524,12 @@ class KVCacheManager:
     """The largest prefix of at most `limit` hashed blocks this group holds cached (see `find_prefix_hit`)."""
     if group.kind == RECURRENT:
       return prefix_cache.state_hit(self._state_pool.lookup, hashes, limit, self.mamba_block_size // self.hash_block_size)
-    lookup = self._pools[group.group_id].lookup
+    lookup = functools.partial(self._lookup, group.group_id)
     return prefix_cache.attention_hit(lookup, hashes, limit, group.block_size, group.sliding_window)
+
+  def _lookup(self, group_id: int, block_hash: bytes) -> int | None:
+    """The pool's block registered for `block_hash` in a group (groups never share cached blocks)."""
+    return self._pool.lookup((group_id, block_hash))
 
   def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
     """Registers the request's blocks completed by `num_computed_tokens` (their K/V or state written) under the
@@ -599,7 +555,7 @@ class KVCacheManager:
       full = min(num_computed_tokens // self.groups[gid].block_size, len(table))
       for j in range(registered[gid], full):
         if table[j] != NULL_BLOCK:
-          self._pools[gid].cache_block(table[j], hashes[j])
+          self._pool.cache_block(table[j], (gid, hashes[j]))
       registered[gid] = max(registered[gid], full)
     if self.uses_state_blocks and num_computed_tokens and num_computed_tokens % self.mamba_block_size == 0:
       table = self._state_tables[request_id]
@@ -627,7 +583,7 @@ class KVCacheManager:
       num_dead = min(first, len(table))
       dead = [b for b in table[:num_dead] if b != NULL_BLOCK]
       if dead:
-        self._pools[gid].free(dead)
+        self._pool.free(dead)
         table[:num_dead] = [NULL_BLOCK] * num_dead
 
   def free(self, request_id: str) -> None:
@@ -639,8 +595,8 @@ class KVCacheManager:
     """
     if request_id not in self._tables:
       raise ValueError(f"request {request_id!r} holds no blocks (never allocated, or already freed)")
-    for gid, table in self._tables.pop(request_id).items():
-      self._pools[gid].free([b for b in reversed(table) if b != NULL_BLOCK])
+    for table in self._tables.pop(request_id).values():
+      self._pool.free([b for b in reversed(table) if b != NULL_BLOCK])
     del self._num_allocated_tokens[request_id]
     if request_id in self._state_slots:
       self._slot_pool.release(self._state_slots.pop(request_id))
@@ -689,12 +645,25 @@ class KVCacheManager:
     """State slots released since the last call; the engine zeroes these rows of every recurrent cache."""
     return [] if self._slot_pool is None else self._slot_pool.drain_slots_to_zero()
 
-  def num_free_blocks(self, group_id: int) -> int:
-    """Free blocks of an attention group."""
+  def num_free_blocks(self) -> int:
+    """Free blocks of the pool every attention group draws from."""
+    return self._pool.num_free
+
+  def num_used_blocks(self, group_id: int) -> int:
+    """Blocks the block tables of an attention group hold now (blocks shared by requests counted once).
+
+    Raises:
+      ValueError: the group is out of range or holds no blocks.
+    """
     group = self._group(group_id)
     if group.kind != ATTENTION:
       raise ValueError(f"{group.describe()} holds no blocks")
-    return self._pools[group_id].num_free
+    return len({b for tables in self._tables.values() for b in tables[group_id] if b != NULL_BLOCK})
+
+  @property
+  def peak_used_blocks(self) -> int:
+    """The most blocks of the pool in use at once so far."""
+    return self._pool.peak_used
 
   def num_free_state_slots(self) -> int:
     """Free state slots, or state blocks under prefix caching (0 when the model has no recurrent layers)."""
@@ -710,14 +679,14 @@ class KVCacheManager:
     Raises:
       ValueError: naming the request, the group and the numbers.
     """
-    for gid, pool in self._pools.items():
-      group = self.groups[gid]
-      needed = cdiv(num_tokens, group.block_size)
-      if not group.sliding_window and needed > pool.num_blocks - 1:
-        raise ValueError(
-            f"request {request_id!r}: {num_tokens} tokens need {needed} blocks in {group.describe()}, but the pool"
-            f" has {pool.num_blocks - 1} (num_kv_blocks={self.num_blocks}, block 0 is reserved); raise num_kv_blocks"
-        )
+    full = [g for g in self.groups if g.kind == ATTENTION and not g.sliding_window]
+    needed = sum(cdiv(num_tokens, g.block_size) for g in full)
+    if needed > self.num_blocks - 1:
+      raise ValueError(
+          f"request {request_id!r}: {num_tokens} tokens need {needed} blocks in"
+          f" {', '.join(g.describe() for g in full)}, but the pool has {self.num_blocks - 1} (block 0 is reserved);"
+          " raise kv_cache_memory_bytes or num_kv_blocks"
+      )
 
   def _request_tables(self, request_id: str) -> dict[int, list[int]]:
     if request_id not in self._tables:

@@ -266,14 +266,12 @@ class Scheduler:
 
   def _never_fits(self, request: Request, n: int) -> RequestNeverFitsError:
     manager = self.kv_cache_manager
-    free = ", ".join(
-        f"{manager.groups[g].describe()}: {manager.num_free_blocks(g)} free" for g in manager.attention_group_ids
-    )
     return RequestNeverFitsError(
         f"request {request.request_id!r} can never fit: computing tokens [{request.num_computed_tokens},"
-        f" {request.num_computed_tokens + n}) fails although no other request holds blocks ({free};"
-        f" {manager.num_free_state_slots()} free state slots); raise num_kv_blocks, or lower max_num_batched_tokens"
-        " for sliding-window groups"
+        f" {request.num_computed_tokens + n}) fails although no other request holds blocks"
+        f" ({manager.num_free_blocks()} of {manager.num_blocks - 1} blocks free for"
+        f" {len(manager.attention_group_ids)} attention groups; {manager.num_free_state_slots()} free state slots);"
+        " raise kv_cache_memory_bytes or num_kv_blocks, or lower max_num_batched_tokens for sliding-window groups"
     )
 
   def abort_request(self, request_id: str) -> Request:

@@ -20,14 +20,15 @@ def all_free(manager: KVCacheManager) -> bool:
   slots_free = manager._slot_pool is None or manager._slot_pool.num_used == 0
   state_pool = manager._state_pool
   states_free = state_pool is None or (state_pool.num_used == 0 and not manager._state_tables)
-  return not manager._tables and slots_free and states_free and all(p.num_used == 0 for p in manager._pools.values())
+  return not manager._tables and slots_free and states_free and manager._pool.num_used == 0
 
 
 def check_consistency(manager: KVCacheManager, live_request_ids: Collection[str]) -> None:
   """Checks the allocation bookkeeping against the requests that should hold caches.
 
   Holds when: exactly `live_request_ids` hold tables; every block a table names has a reference count equal to
-  the number of table entries naming it, and every other block is free (or free and cached); the same for the
+  the number of table entries naming it, and every other block is free (or free and cached); no block is in the
+  tables of two groups (their layers may share an array, so one would overwrite the other); the same for the
   state blocks of prefix caching; no state slot is held by two requests, and the slot pool's used slots are
   exactly the requests' slots.
 
@@ -39,9 +40,14 @@ def check_consistency(manager: KVCacheManager, live_request_ids: Collection[str]
     raise AssertionError(
         f"requests holding caches {sorted(holders)} differ from the live requests {sorted(live_request_ids)}"
     )
-  for gid, pool in manager._pools.items():
-    tables = (request_tables[gid] for request_tables in manager._tables.values())
-    _check_refcounts(pool, tables, f"{manager.groups[gid].describe()}: block", "block-table entries")
+  group_of_block: dict[int, int] = {}
+  for request_tables in manager._tables.values():
+    for gid, table in request_tables.items():
+      for block in table:
+        if block != NULL_BLOCK and group_of_block.setdefault(block, gid) != gid:
+          raise AssertionError(f"block {block} is in the tables of groups {group_of_block[block]} and {gid}")
+  tables = (table for request_tables in manager._tables.values() for table in request_tables.values())
+  _check_refcounts(manager._pool, tables, "block", "block-table entries")
   state_pool = manager._state_pool
   if state_pool is not None:
     if set(manager._state_tables) != holders:

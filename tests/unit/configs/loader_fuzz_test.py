@@ -65,7 +65,7 @@ def test_property_unknown_or_malformed_arguments_are_config_errors(key, value):
         ("decode_sampling_nucleus_p", "nan", r"decode_sampling_nucleus_p=nan: must be a finite number"),
         ("rope_max_timescale", "inf", r"rope_max_timescale=inf: must be a finite number"),
         ("partial_rotary_factor", "-inf", r"partial_rotary_factor=-inf: must be a finite number"),
-        ("num_kv_blocks", "-4", r"num_kv_blocks=-4: must be > 0"),
+        ("num_kv_blocks", "-4", r"num_kv_blocks=-4: must be >= 0"),
         ("max_num_seqs", "0", r"max_num_seqs=0: must be > 0"),
         ("seed", "-1", r"seed=-1: must be >= 0"),
     ],

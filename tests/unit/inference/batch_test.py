@@ -54,28 +54,33 @@ def test_mixed_batch_decode_chunked_prefill_and_new_prefill(configs, make_specs)
   np.testing.assert_array_equal(batch.request_distribution, [1, 1, 3])
   np.testing.assert_array_equal(batch.mamba_state_indices, [1, 2, 3, 0, 0, 0, 0, 0])
   np.testing.assert_array_equal(batch.logits_indices, [0, 3, 6, 0, 0, 0, 0, 0])
-  recurrent_table, attention_table = batch.block_tables
-  np.testing.assert_array_equal(recurrent_table, np.zeros(64, np.int32))
+  # Groups by vLLM's rule: recurrent (0, 4), (1, 5), (2, 6), then attention (3, 7).
+  *recurrent_tables, attention_table = batch.block_tables
+  assert len(recurrent_tables) == 3
+  for recurrent_table in recurrent_tables:
+    np.testing.assert_array_equal(recurrent_table, np.zeros(64, np.int32))
   np.testing.assert_array_equal(attention_table, _table([[1, 2], [3, 4, 5, 6], [7]], 8))
   for array in (batch.input_ids, batch.positions, batch.seq_lens, batch.query_start_loc, attention_table):
     assert array.dtype == np.int32
   assert batch.layer_names_per_group == (
-      ("layer.0", "layer.1", "layer.2", "layer.4", "layer.5", "layer.6"),
+      ("layer.0", "layer.4"),
+      ("layer.1", "layer.5"),
+      ("layer.2", "layer.6"),
       ("layer.3", "layer.7"),
   )
 
   groups = batch.metadata_fields()
-  assert len(groups) == 2 and all(tuple(g) == METADATA_FIELDS for g in groups)
-  assert groups[0]["block_tables"] is recurrent_table and groups[1]["block_tables"] is attention_table
+  assert len(groups) == 4 and all(tuple(g) == METADATA_FIELDS for g in groups)
+  assert groups[0]["block_tables"] is recurrent_tables[0] and groups[3]["block_tables"] is attention_table
   for name in ("input_positions", "seq_lens", "query_start_loc", "request_distribution", "mamba_state_indices"):
-    assert groups[0][name] is groups[1][name]
-  assert groups[0]["input_positions"] is batch.positions and groups[1]["padded_num_reqs"] == 8
+    assert groups[0][name] is groups[3][name]
+  assert groups[0]["input_positions"] is batch.positions and groups[3]["padded_num_reqs"] == 8
 
   metadata = [AttentionMetadata(**fields) for fields in groups]  # the engine's one-line construction
   for md in metadata:
     md.validate()
   grouped = GroupedAttentionMetadata(metadata, batch.layer_names_per_group)
-  assert grouped["layer.3"] is grouped["layer.7"] is metadata[1] and grouped["layer.0"] is metadata[0]
+  assert grouped["layer.3"] is grouped["layer.7"] is metadata[3] and grouped["layer.4"] is metadata[0]
 
 
 def test_sliding_group_table_has_null_entries_for_freed_blocks(configs, make_specs):
@@ -84,17 +89,19 @@ def test_sliding_group_table_has_null_entries_for_freed_blocks(configs, make_spe
   scheduler.add_request(Request("a", list(range(3, 23)), SamplingParams(max_tokens=4)))
   scheduler.update_from_output(scheduler.schedule(), {"a": 9})
   batch = build_batch(cfg, scheduler.schedule(), manager)
-  # The decode at position 20 reads keys 13..20 (window 8): blocks 0-2 (keys 0-11) went back to the pool, and
-  # the new 6th block reuses the lowest freed id.
-  sliding, full = batch.block_tables
+  # Groups (0, 3), (1, 4) sliding and (2, 5) full share one pool: the prompt took blocks 1-5, 6-10, 11-15. The
+  # decode at position 20 reads keys 13..20 (window 8): blocks 0-2 (keys 0-11) of both sliding groups went back to
+  # the pool, and each group's new 6th block is the lowest free id, the full group's one a sliding group freed.
+  sliding, other_sliding, full = batch.block_tables
   np.testing.assert_array_equal(sliding, _table([[0, 0, 0, 4, 5, 1]], 16))
-  np.testing.assert_array_equal(full, _table([[1, 2, 3, 4, 5, 6]], 16))
+  np.testing.assert_array_equal(other_sliding, _table([[0, 0, 0, 9, 10, 2]], 16))
+  np.testing.assert_array_equal(full, _table([[11, 12, 13, 14, 15, 3]], 16))
   np.testing.assert_array_equal(batch.input_ids, [9])  # one decode token: a bucket of one
   np.testing.assert_array_equal(batch.positions[:1], [20])
   np.testing.assert_array_equal(batch.seq_lens[:2], [21, 0])
   np.testing.assert_array_equal(batch.request_distribution, [1, 1, 1])
   assert batch.mamba_state_indices is None and batch.metadata_fields()[0]["mamba_state_indices"] is None
-  assert batch.layer_names_per_group == (("layer.0", "layer.1", "layer.3", "layer.4"), ("layer.2", "layer.5"))
+  assert batch.layer_names_per_group == (("layer.0", "layer.3"), ("layer.1", "layer.4"), ("layer.2", "layer.5"))
 
 
 def test_empty_step_and_request_bucket_above_eight(configs, make_specs):

@@ -25,70 +25,107 @@ def _with(cfg, **changes):
   return types.SimpleNamespace(**values)
 
 
-@pytest.mark.parametrize("hybrid_kv_cache", [True, False])
-def test_qwen3_next_groups(configs, make_specs, hybrid_kv_cache):
-  manager = _manager(configs["qwen3_next"](hybrid_kv_cache=hybrid_kv_cache), make_specs)
-  assert len(manager.groups) == 2
-  recurrent, attention = manager.groups[0], manager.groups[1]
-  assert (recurrent.group_id, recurrent.kind, recurrent.layer_names) == (0, "recurrent", QWEN_RECURRENT)
-  assert (attention.group_id, attention.kind, attention.layer_names) == (1, "attention", ("layer.3", "layer.7"))
-  assert (attention.block_size, attention.sliding_window, recurrent.block_size) == (16, None, None)
-  assert manager.attention_group_ids == (1,)
+# Expected groups are worked out by hand from vLLM's rule (kv_cache_groups.py): the qwen3_next test config has 8
+# layers, full attention at 3 and 7: buckets recurrent (6 layers) and attention (2); group size 2; the recurrent
+# bucket splits into 3 groups, group i taking layers[i::3].
+QWEN_GROUPS = (("layer.0", "layer.4"), ("layer.1", "layer.5"), ("layer.2", "layer.6"), ("layer.3", "layer.7"))
+
+
+def test_qwen3_next_groups_follow_vllms_rule(configs, make_specs):
+  manager = _manager(configs["qwen3_next"](), make_specs)
+  assert tuple(g.layer_names for g in manager.groups) == QWEN_GROUPS
+  assert tuple(g.kind for g in manager.groups) == ("recurrent",) * 3 + ("attention",)
+  attention = manager.groups[3]
+  assert (attention.block_size, attention.sliding_window, manager.groups[0].block_size) == (16, None, None)
+  assert manager.attention_group_ids == (3,)
   assert manager.has_recurrent
-  assert manager.group_of_layer("layer.5") == 0 and manager.group_of_layer("layer.7") == 1
-  assert manager.max_blocks_per_req(0) == manager.max_blocks_per_req(1) == 1024 // 16
+  assert manager.group_of_layer("layer.5") == 1 and manager.group_of_layer("layer.7") == 3
+  assert manager.max_blocks_per_req(0) == manager.max_blocks_per_req(3) == 1024 // 16
 
 
-def test_qwen3_next_hybrid_layout_puts_recurrent_states_first(configs, make_specs):
+def test_qwen3_next_without_hybrid_kv_cache_keeps_one_group_per_kind(configs, make_specs):
+  manager = _manager(configs["qwen3_next"](hybrid_kv_cache=False), make_specs)
+  assert tuple(g.layer_names for g in manager.groups) == (QWEN_RECURRENT, ("layer.3", "layer.7"))
+  assert manager.slot_owners == tuple((name,) for name in QWEN_RECURRENT + ("layer.3", "layer.7"))
+
+
+def test_qwen3_next_hybrid_layout_is_one_array_per_layer_group_by_group(configs, make_specs):
+  # tpu-inference keeps one array per layer when a model has recurrent layers, group after group.
   manager = _manager(configs["qwen3_next"](kv_cache_layout="hybrid"), make_specs)
-  assert manager.slot_owners == QWEN_RECURRENT + ("layer.3", "layer.7")
-  assert manager.layer_name_to_kvcache_index == (
-      ("layer.0", 0),
-      ("layer.1", 1),
-      ("layer.2", 2),
-      ("layer.3", 6),
-      ("layer.4", 3),
-      ("layer.5", 4),
-      ("layer.6", 5),
-      ("layer.7", 7),
-  )
+  assert manager.slot_owners == tuple((name,) for group in QWEN_GROUPS for name in group)
+  assert dict(manager.layer_name_to_kvcache_index) == {
+      "layer.0": 0,
+      "layer.4": 1,
+      "layer.1": 2,
+      "layer.5": 3,
+      "layer.2": 4,
+      "layer.6": 5,
+      "layer.3": 6,
+      "layer.7": 7,
+  }
+  assert manager.recurrent_slot_indices == (0, 1, 2, 3, 4, 5)
 
 
 def test_layer_layout_is_identity(configs, make_specs):
   manager = _manager(configs["qwen3_next"](kv_cache_layout="layer"), make_specs)
   assert manager.layer_name_to_kvcache_index == tuple((f"layer.{i}", i) for i in range(8))
+  assert manager.recurrent_slot_indices == (0, 1, 2, 4, 5, 6)
 
 
-def test_shuffled_layout_is_the_seeded_permutation(configs, make_specs):
-  cfg = configs["qwen3_next"](kv_cache_layout="shuffled", seed=3)
-  specs, _ = make_specs(cfg)
-  manager = _manager(cfg, make_specs)
+def test_shuffled_layout_is_the_seeded_permutation_of_the_hybrid_order(configs, make_specs):
+  manager = _manager(configs["qwen3_next"](kv_cache_layout="shuffled", seed=3), make_specs)
+  hybrid = [(name,) for group in QWEN_GROUPS for name in group]
   permutation = np.random.default_rng(3).permutation(8)
-  assert manager.slot_owners == tuple(f"layer.{p}" for p in permutation)
-  assert sorted(manager.slot_owners) == sorted(specs)
+  assert manager.slot_owners == tuple(hybrid[p] for p in permutation)
   for name, slot in manager.layer_name_to_kvcache_index:
-    assert manager.slot_owners[slot] == name
+    assert manager.slot_owners[slot] == (name,)
   other = _manager(configs["qwen3_next"](kv_cache_layout="shuffled", seed=4), make_specs)
   assert other.slot_owners != manager.slot_owners
 
 
+@pytest.mark.parametrize(
+    "layout, arrays", [("hybrid", ((0, 1, 2), (3, 4, 5))), ("layer", ((0, 1, 2), (3, 4, 5))), ("shuffled", None)]
+)
+def test_gemma3_groups_share_arrays(configs, make_specs, layout, arrays):
+  # 6 layers, sliding at 0 1 3 4, full at 2 5: buckets of 4 and 2, group size 2: sliding [0, 3], [1, 4], full
+  # [2, 5]; the j-th layers of the three groups share array j.
+  manager = _manager(configs["gemma3"](kv_cache_layout=layout, seed=1), make_specs)
+  assert tuple(g.layer_names for g in manager.groups) == (
+      ("layer.0", "layer.3"),
+      ("layer.1", "layer.4"),
+      ("layer.2", "layer.5"),
+  )
+  assert tuple(g.sliding_window for g in manager.groups) == (8, 8, None)
+  if arrays is not None:
+    assert manager.slot_owners == tuple(tuple(f"layer.{i}" for i in a) for a in arrays)
+  index = dict(manager.layer_name_to_kvcache_index)
+  assert index["layer.0"] == index["layer.1"] == index["layer.2"] != index["layer.3"]
+  assert index["layer.3"] == index["layer.4"] == index["layer.5"]
+  slots = manager.describe_slots()
+  assert [s.group_ids for s in slots] == [(0, 1, 2), (0, 1, 2)]
+  assert sum(s.nbytes for s in slots) == manager.num_blocks * manager.block_bytes
+
+
 @pytest.mark.parametrize("layout", ["layer", "hybrid"])
 def test_gemma3_kv_shared_layers_map_to_their_source_slot(configs, make_specs, layout):
+  # Owners 0 1 2 3 (4 reads 3, 5 reads 2): buckets sliding [0, 1, 3] and full [2]: group size 1, so four groups
+  # of one layer, each with an array of its own (tpu-inference's key for a one-layer group), in group order.
   manager = _manager(configs["gemma3"](num_kv_shared_layers=2, kv_cache_layout=layout), make_specs)
-  assert manager.slot_owners == ("layer.0", "layer.1", "layer.2", "layer.3")
-  assert dict(manager.layer_name_to_kvcache_index) == {
-      "layer.0": 0,
-      "layer.1": 1,
-      "layer.2": 2,
-      "layer.3": 3,
-      "layer.4": 3,
-      "layer.5": 2,
+  expected = {
+      "hybrid": ("layer.0", "layer.1", "layer.3", "layer.2"),
+      "layer": ("layer.0", "layer.1", "layer.2", "layer.3"),
   }
-  assert len(manager.groups) == 2
-  sliding, full = manager.groups[0], manager.groups[1]
-  assert sliding.layer_names == ("layer.0", "layer.1", "layer.3", "layer.4")
-  assert (sliding.sliding_window, sliding.kind) == (8, "attention")
-  assert full.layer_names == ("layer.2", "layer.5") and full.sliding_window is None
+  assert manager.slot_owners == tuple((name,) for name in expected[layout])
+  index = dict(manager.layer_name_to_kvcache_index)
+  assert index["layer.4"] == index["layer.3"] and index["layer.5"] == index["layer.2"]
+  assert sorted(index[f"layer.{i}"] for i in range(4)) == [0, 1, 2, 3]
+  assert tuple(g.layer_names for g in manager.groups) == (
+      ("layer.0",),
+      ("layer.1",),
+      ("layer.3", "layer.4"),
+      ("layer.2", "layer.5"),
+  )
+  assert tuple(g.sliding_window for g in manager.groups) == (8, 8, 8, None)
   assert not manager.has_recurrent
 
 
@@ -98,26 +135,57 @@ def test_gemma3_without_hybrid_kv_cache_has_one_group_that_keeps_every_block(con
   group = manager.groups[0]
   assert group.layer_names == tuple(f"layer.{i}" for i in range(6))
   assert group.sliding_window is None and group.kind == "attention"
+  assert manager.slot_owners == (("layer.0",), ("layer.1",), ("layer.2",), ("layer.3",))
+
+
+@pytest.mark.parametrize("hybrid_kv_cache, arrays", [(True, 2), (False, 6)])
+def test_kv_cache_memory_bytes_sizes_the_pool_by_the_layout(configs, make_specs, hybrid_kv_cache, arrays):
+  # One block of one fake gemma3 array: (16 tokens, 4 packed heads, 1, 128) float32 = 32768 bytes.
+  cfg = configs["gemma3"](hybrid_kv_cache=hybrid_kv_cache, kv_cache_memory_bytes=6 * 32768 * 10 + 5)
+  manager = _manager(cfg, make_specs)
+  assert manager.block_bytes == arrays * 32768
+  assert manager.num_blocks == 6 * 10 // arrays
+  explicit_cfg = configs["gemma3"](hybrid_kv_cache=hybrid_kv_cache, kv_cache_memory_bytes=10**9, num_kv_blocks=7)
+  explicit = _manager(explicit_cfg, make_specs)
+  assert explicit.num_blocks == 7
+  assert _manager(configs["gemma3"](), make_specs).num_blocks == 256
+  too_small = arrays * 32768 + 5
+  with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={too_small} holds 1 blocks of {arrays * 32768} bytes"):
+    _manager(configs["gemma3"](hybrid_kv_cache=hybrid_kv_cache, kv_cache_memory_bytes=too_small), make_specs)
+
+
+def test_kv_cache_memory_bytes_leaves_room_for_the_state_slots(configs, make_specs):
+  # 6 recurrent arrays of 9 slots of 5632 bytes; 2 attention arrays of 32768 bytes a block.
+  states = 6 * 9 * 5632
+  manager = _manager(configs["qwen3_next"](kv_cache_memory_bytes=states + 2 * 32768 * 20), make_specs)
+  assert (manager.block_bytes, manager.num_blocks) == (2 * 32768, 20)
 
 
 def test_describe_slots_and_format_layout(configs, make_specs):
-  manager = _manager(configs["qwen3_next"](kv_cache_layout="hybrid"), make_specs)
+  manager = _manager(configs["qwen3_next"](kv_cache_layout="layer"), make_specs)
   slots = manager.describe_slots()
   assert len(slots) == 8
-  first, attention = slots[0], slots[6]
-  assert (first.slot, first.kind, first.layer_names, first.group_id) == (0, "recurrent", ("layer.0",), 0)
+  first, attention = slots[0], slots[3]
+  assert (first.slot, first.kind, first.layer_names, first.group_ids) == (0, "recurrent", ("layer.0",), (0,))
   assert first.shapes == ((9, 3, 128), (9, 4, 16, 16)) and first.dtypes == ("float32", "float32")
   assert first.nbytes == 9 * (3 * 128 * 4 + 4 * 16 * 16 * 4)
-  assert (attention.slot, attention.kind, attention.layer_names, attention.group_id) == (6, "attention", ("layer.3",), 1)
+  assert (attention.slot, attention.kind, attention.layer_names, attention.group_ids) == (
+      3,
+      "attention",
+      ("layer.3",),
+      (3,),
+  )
   assert attention.shapes == ((256, 16, 4, 1, 128),) and attention.dtypes == ("float32",)
   assert attention.nbytes == 256 * 16 * 4 * 128 * 4
   text = manager.format_layout()
-  assert "kv_caches[6]: layer.3 attention group 1: (256, 16, 4, 1, 128) float32 = 8388608 bytes" in text
+  assert "kv_caches[3]: layer.3 attention group 3: (256, 16, 4, 1, 128) float32 = 8388608 bytes" in text
   assert f"total: {6 * 9 * 5632 + 2 * 8388608} bytes" in text
 
-  shared = _manager(configs["gemma3"](num_kv_shared_layers=2), make_specs)
+  shared = _manager(configs["gemma3"](num_kv_shared_layers=2, kv_cache_layout="layer"), make_specs)
   assert shared.describe_slots(num_blocks=300)[3].layer_names == ("layer.3", "layer.4")
-  assert "kv_caches[3]: layer.3 (shared by layer.4) attention group 0: (300, 16, 4, 1, 128)" in shared.format_layout(300)
+  assert "kv_caches[3]: layer.3, layer.4 attention group 2: (300, 16, 4, 1, 128)" in shared.format_layout(300)
+  gemma = _manager(configs["gemma3"](), make_specs).format_layout()
+  assert "kv_caches[0]: layer.0, layer.1, layer.2 attention groups 0, 1, 2: (256, 16, 4, 1, 128)" in gemma
 
 
 @pytest.mark.parametrize(
@@ -128,7 +196,7 @@ def test_allocate_caches_in_runner_shapes(configs, make_specs, dtype, attention_
   cfg = configs["qwen3_next"](num_kv_blocks=4, dtype=dtype, weight_dtype=dtype, kv_cache_layout="hybrid")
   caches = _manager(cfg, make_specs, num_state_slots=5).allocate_caches()
   assert len(caches) == 8
-  for conv, rec in caches[:6]:
+  for conv, rec in caches[:6]:  # the hybrid order: every recurrent group before the attention group
     assert conv.shape == (5, 3, 128) and conv.dtype == jnp.dtype(dtype)
     assert rec.shape == (5, 4, 16, 16) and rec.dtype == jnp.float32
     assert not np.any(np.asarray(conv, np.float32)) and not np.any(np.asarray(rec))
@@ -139,7 +207,7 @@ def test_allocate_caches_in_runner_shapes(configs, make_specs, dtype, attention_
 
 def test_allocate_caches_rejects_fewer_blocks_than_the_pool(configs, make_specs):
   manager = _manager(configs["llama"](num_kv_blocks=8), make_specs)
-  with pytest.raises(ValueError, match="num_blocks=4 is smaller than the block pools"):
+  with pytest.raises(ValueError, match="num_blocks=4 is smaller than the block pool"):
     manager.allocate_caches(4)
   assert manager.allocate_caches(10)[0].shape[0] == 10
 
@@ -154,30 +222,34 @@ def test_allocate_grow_and_free(configs, make_specs):
   assert manager.block_table("a", 0) == [1, 2, 3]
   assert manager.allocate_slots("b", 0, 4)
   assert manager.block_table("b", 0) == [4]
-  assert manager.num_free_blocks(0) == 3 and manager.has_request("a")
+  assert manager.num_free_blocks() == 3 and manager.has_request("a")
+  assert manager.num_used_blocks(0) == 4 and manager.peak_used_blocks == 4
   manager.free("a")
-  assert manager.num_free_blocks(0) == 6 and not kv_cache_checks.all_free(manager)
+  assert manager.num_free_blocks() == 6 and not kv_cache_checks.all_free(manager)
+  assert manager.peak_used_blocks == 4
   manager.free("b")
   assert kv_cache_checks.all_free(manager) and not manager.has_request("a")
   assert not manager.drain_slots_to_zero()  # no recurrent layers
 
 
-def test_sliding_group_frees_out_of_window_blocks_and_allocation_is_all_or_nothing(configs, make_specs):
-  manager = _manager(configs["gemma3"](block_size=4, num_kv_blocks=6), make_specs)
-  sliding, full = 0, 1
+def test_sliding_groups_free_blocks_into_the_shared_pool_and_allocation_is_all_or_nothing(configs, make_specs):
+  # Groups: 0 sliding [0, 3], 1 sliding [1, 4], 2 full [2, 5] (window 8), all drawing from 13 usable blocks.
+  manager = _manager(configs["gemma3"](block_size=4, num_kv_blocks=14), make_specs)
   assert manager.allocate_slots("a", 0, 16)
-  assert manager.block_table("a", sliding) == [1, 2, 3, 4] == manager.block_table("a", full)
-  # The query at position 16 reads keys 9..16: blocks 0 (keys 0-3) and 1 (4-7) are dead, block 2 (8-11) is not.
+  assert [manager.block_table("a", g) for g in range(3)] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+  # The query at position 16 reads keys 9..16: blocks 0 (keys 0-3) and 1 (4-7) of each sliding group are dead; the
+  # freed blocks serve any group (block 5, group 1's, now holds the full group's keys 16-19).
   assert manager.allocate_slots("a", 16, 1)
-  assert manager.block_table("a", sliding) == [0, 0, 3, 4, 1]
-  assert manager.block_table("a", full) == [1, 2, 3, 4, 5]
-  assert (manager.num_free_blocks(sliding), manager.num_free_blocks(full)) == (2, 0)
-  # The full group is exhausted: b gets nothing in any group.
+  assert [manager.block_table("a", g) for g in range(3)] == [[0, 0, 3, 4, 1], [0, 0, 7, 8, 2], [9, 10, 11, 12, 5]]
+  assert manager.num_free_blocks() == 2
+  assert [manager.num_used_blocks(g) for g in range(3)] == [3, 3, 5]
+  kv_cache_checks.check_consistency(manager, ["a"])
+  # b needs a block in each of the three groups: nothing is allocated.
   assert not manager.allocate_slots("b", 0, 4)
-  assert (manager.num_free_blocks(sliding), manager.num_free_blocks(full)) == (2, 0)
-  assert not manager.has_request("b")
-  assert not manager.allocate_slots("a", 17, 4)  # 21 tokens need a 6th block in both groups
-  assert manager.block_table("a", sliding) == [0, 0, 3, 4, 1]
+  assert manager.num_free_blocks() == 2 and not manager.has_request("b")
+  assert not manager.allocate_slots("a", 17, 4)  # 21 tokens need a 6th block in every group
+  assert manager.block_table("a", 0) == [0, 0, 3, 4, 1]
+  assert manager.peak_used_blocks == 12
   manager.free("a")
   assert kv_cache_checks.all_free(manager)
 
@@ -190,7 +262,8 @@ def test_sliding_window_boundary(configs, make_specs, num_computed, num_dead):
   manager.allocate_slots("a", num_computed, 1)
   table = manager.block_table("a", 0)
   assert table[:num_dead] == [0] * num_dead and 0 not in table[num_dead:]
-  assert manager.num_free_blocks(0) == 31 - (len(table) - num_dead)
+  assert manager.num_used_blocks(0) == manager.num_used_blocks(1) == len(table) - num_dead
+  assert manager.num_free_blocks() == 31 - 2 * (len(table) - num_dead) - len(manager.block_table("a", 2))
 
 
 def test_no_freeing_without_hybrid_kv_cache(configs, make_specs):
@@ -218,7 +291,7 @@ def test_no_free_state_slot_means_no_allocation(configs, make_specs):
   manager = _manager(configs["qwen3_next"](block_size=4, num_kv_blocks=16), make_specs, num_state_slots=2)
   assert manager.allocate_slots("a", 0, 3)
   assert not manager.allocate_slots("b", 0, 3)
-  assert manager.num_free_blocks(1) == 14 and not manager.has_request("b")
+  assert manager.num_free_blocks() == 14 and not manager.has_request("b")
 
 
 def test_check_request_fits(configs, make_specs):
@@ -244,15 +317,15 @@ def test_allocation_errors(configs, make_specs):
   with pytest.raises(ValueError, match="request 'a' holds no blocks"):
     manager.free("a")
   with pytest.raises(ValueError, match="request 'a' holds no blocks"):
-    manager.block_table("a", 1)
+    manager.block_table("a", 3)
   with pytest.raises(ValueError, match="request 'a' holds no state slot"):
     manager.get_state_slot("a")
   with pytest.raises(ValueError, match=r"group 0 \(recurrent\) holds no blocks; recurrent layers use get_state_slot"):
     manager.block_table("a", 0)
   with pytest.raises(ValueError, match=r"group 0 \(recurrent\) holds no blocks"):
-    manager.num_free_blocks(0)
-  with pytest.raises(ValueError, match="group_id 2 is out of range: there are 2 KV-cache groups"):
-    manager.num_free_blocks(2)
+    manager.num_used_blocks(0)
+  with pytest.raises(ValueError, match="group_id 4 is out of range: there are 4 KV-cache groups"):
+    manager.num_used_blocks(4)
   with pytest.raises(ValueError, match="unknown layer 'layer.8'"):
     manager.group_of_layer("layer.8")
   llama = _manager(configs["llama"](), make_specs)
@@ -315,15 +388,25 @@ def test_check_consistency_passes_on_real_bookkeeping_and_names_a_leak(configs, 
   kv_cache_checks.check_consistency(manager, {"a"})
 
 
+def test_check_consistency_finds_a_block_in_two_groups(configs, make_specs):
+  manager = _manager(configs["gemma3"](block_size=4, num_kv_blocks=16), make_specs)
+  assert manager.allocate_slots("a", 0, 4)
+  tables = manager._tables  # pylint: disable=protected-access  # the invariant check must see broken books
+  manager._pool.incref([tables["a"][0][0]])  # pylint: disable=protected-access  # counts agree, groups do not
+  tables["a"][1][0] = tables["a"][0][0]
+  with pytest.raises(AssertionError, match=r"block 1 is in the tables of groups 0 and 1"):
+    kv_cache_checks.check_consistency(manager, {"a"})
+
+
 def test_check_consistency_finds_a_block_or_state_slot_held_twice(configs, make_specs):
   manager = _manager(configs["qwen3_next"](block_size=4, num_kv_blocks=16), make_specs)
   assert manager.allocate_slots("a", 0, 4) and manager.allocate_slots("b", 0, 4)
   # Corrupt the books on purpose: b's table names a's block, then b holds a's state slot.
   tables = manager._tables  # pylint: disable=protected-access  # the invariant check must see broken books
-  tables["b"][1][0] = tables["a"][1][0]
-  with pytest.raises(AssertionError, match=r"group 1 .*: block 1 has reference count 1 but 2 block-table entries"):
+  tables["b"][3][0] = tables["a"][3][0]
+  with pytest.raises(AssertionError, match=r"block 1 has reference count 1 but 2 block-table entries"):
     kv_cache_checks.check_consistency(manager, {"a", "b"})
-  tables["b"][1][0] = 2
+  tables["b"][3][0] = 2
   slots = manager._state_slots  # pylint: disable=protected-access  # as above
   slots["b"] = slots["a"]
   with pytest.raises(AssertionError, match=r"a state slot is held by two requests"):

@@ -167,9 +167,11 @@ def test_an_attention_hit_without_a_state_resumes_at_the_last_common_boundary(
   driver.run()
   probe = base[:12] + _tokens(5, 5)
   hits = driver.manager.group_prefix_hits(probe)
-  recurrent = next(g.group_id for g in driver.manager.groups if g.kind == "recurrent")
-  assert {gid: n for gid, n in hits.items() if gid != recurrent} == dict.fromkeys(driver.manager.attention_group_ids, 12)
-  assert hits[recurrent] == 8
+  recurrent = [g.group_id for g in driver.manager.groups if g.kind == "recurrent"]
+  assert len(recurrent) == 3  # vLLM's rule: (0, 4), (1, 5), (2, 6)
+  attention = {gid: n for gid, n in hits.items() if gid not in recurrent}
+  assert attention == dict.fromkeys(driver.manager.attention_group_ids, 12)
+  assert [hits[gid] for gid in recurrent] == [8, 8, 8]
   second = driver.add("b", probe)
   driver.run()
   driver.check(reference)
@@ -187,7 +189,7 @@ def test_evicted_state_blocks_make_the_hit_fall_back_to_zero(configs, make_specs
   driver.run()
   probe = base[:10] + _tokens(7, 6)
   hits = driver.manager.group_prefix_hits(probe)
-  assert sorted(hits.values()) == [0, 8]
+  assert sorted(hits.values()) == [0, 0, 0, 8]  # three recurrent groups, one attention group
   second = driver.add("b", probe)
   third = driver.add("c", base[:17])  # the checkpoint at 16 survived
   driver.run()
@@ -195,10 +197,13 @@ def test_evicted_state_blocks_make_the_hit_fall_back_to_zero(configs, make_specs
   assert (second.num_cached_tokens, third.num_cached_tokens) == (0, 16)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next"])
-def test_eviction_under_cache_pressure_then_a_rehit(configs, make_specs, paged_fake_model, reference, family):
-  # 12 usable blocks per group: other prompts evict "a"'s cached blocks; "a" then recomputes, and its repeat hits.
-  cfg = _cfg(configs, family, num_kv_blocks=13, max_target_length=40)
+@pytest.mark.parametrize("family, num_attention_groups", [("llama", 1), ("gemma3", 3), ("qwen3_next", 1)])
+def test_eviction_under_cache_pressure_then_a_rehit(
+    configs, make_specs, paged_fake_model, reference, family, num_attention_groups
+):
+  # 12 usable blocks per attention group in the one pool: other prompts evict "a"'s cached blocks; "a" then
+  # recomputes, and its repeat hits.
+  cfg = _cfg(configs, family, num_kv_blocks=1 + 12 * num_attention_groups, max_target_length=40)
   driver = Driver(cfg, make_specs, paged_fake_model)
   prompt = _tokens(8, 17)
   driver.add("a1", prompt, max_tokens=2)

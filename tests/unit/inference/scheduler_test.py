@@ -100,17 +100,16 @@ def test_preemption_takes_the_newest_and_every_request_completes(configs, run, r
 @pytest.mark.parametrize(
     "model, overrides",
     [
-        ("llama", {}),
-        ("gemma3", {"num_kv_shared_layers": 2}),
-        ("gemma3", {"hybrid_kv_cache": False}),
-        ("qwen3_next", {"kv_cache_layout": "shuffled"}),
+        ("llama", {"num_kv_blocks": 8}),
+        # Four one-layer attention groups (two of them reading shared layers) draw from one pool: 7 usable each.
+        ("gemma3", {"num_kv_shared_layers": 2, "num_kv_blocks": 29}),
+        ("gemma3", {"hybrid_kv_cache": False, "num_kv_blocks": 8}),
+        ("qwen3_next", {"kv_cache_layout": "shuffled", "num_kv_blocks": 8}),
     ],
 )
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_workloads_match_the_reference_and_leak_nothing(configs, run, reference, model, overrides, seed):
-  cfg = configs[model](
-      block_size=4, num_kv_blocks=8, max_num_batched_tokens=12, max_num_seqs=3, max_target_length=24, **overrides
-  )
+  cfg = configs[model](block_size=4, max_num_batched_tokens=12, max_num_seqs=3, max_target_length=24, **overrides)
   rng = np.random.default_rng(seed)
   requests = _random_requests(rng, 7, max_prompt=14, max_new=10)
   for request in requests[::2]:  # stop early at a token the request would generate
@@ -183,7 +182,9 @@ def test_request_that_can_never_fit_raises_instead_of_looping(configs, make_spec
   sliding = {"base_num_decoder_layers": 2, "layer_types": ["sliding_attention"] * 2, "block_size": 4, "num_kv_blocks": 4}
   scheduler = _scheduler(configs["gemma3"](max_num_batched_tokens=64, **sliding), make_specs)
   scheduler.add_request(Request("a", [5] * 40))
-  with pytest.raises(RuntimeError, match=r"request 'a' can never fit: computing tokens \[0, 40\) fails .*3 free"):
+  with pytest.raises(
+      RuntimeError, match=r"request 'a' can never fit: computing tokens \[0, 40\) fails .*3 of 3 blocks free"
+  ):
     scheduler.schedule()
   scheduler = _scheduler(configs["gemma3"](max_num_batched_tokens=8, **sliding), make_specs)
   scheduler.add_request(Request("a", [5] * 40))

@@ -32,8 +32,8 @@ from maxtext.testing import kv_cache_checks
 
 SEED = int(os.environ.get("SOAK_SEED", "0"))
 FAMILIES = ["qwen3-next-tiny", "qwen3.5-tiny", "gemma3-tiny", "kvshare-tiny"]
-# 11 usable blocks of 4 tokens for up to 4 requests of up to 40 tokens: preemption is frequent.
-RUNNER = {"block_size": 4, "num_kv_blocks": 12, "max_num_batched_tokens": 16, "max_num_seqs": 4}
+# 11 usable blocks of 4 tokens per attention group for up to 4 requests of up to 40 tokens: preemption is frequent.
+RUNNER = {"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 4}
 MAX_TARGET_LENGTH = 40
 # Fewer layers where the family's pattern survives it (one [lin, lin, lin, full] / [slide, slide, full] cycle),
 # so the real-model soak compiles and steps faster; kvshare-tiny needs its 6 layers for the shared pair.
@@ -43,6 +43,8 @@ SHAPES = {
     "gemma3-tiny": {"base_num_decoder_layers": 3},
     "kvshare-tiny": {},
 }
+# Attention groups by vLLM's rule: one (qwen); gemma3 [s, s, f]: three of one layer; kvshare-tiny: four.
+NUM_ATTENTION_GROUPS = {"qwen3-next-tiny": 1, "qwen3.5-tiny": 1, "gemma3-tiny": 3, "kvshare-tiny": 4}
 
 
 @dataclasses.dataclass
@@ -67,7 +69,10 @@ class Figures:
 
 
 def _config(name):
-  return load_config(model_name=name, max_target_length=MAX_TARGET_LENGTH, seed=SEED, **RUNNER, **SHAPES[name])
+  blocks = 1 + 11 * NUM_ATTENTION_GROUPS[name]
+  return load_config(
+      model_name=name, max_target_length=MAX_TARGET_LENGTH, seed=SEED, num_kv_blocks=blocks, **RUNNER, **SHAPES[name]
+  )
 
 
 def _random_params(rng, sampling):

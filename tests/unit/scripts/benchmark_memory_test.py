@@ -32,15 +32,18 @@ def test_quick_run_counts_blocks_per_group_and_writes_the_plot(capsys, tmp_path)
   gemma, qwen, gpt_oss, granite, bamba = report["results"]
   assert (gemma["config"], gemma["context"], qwen["config"], gpt_oss["config"]) == ("gemma3", 48, "qwen3_next", "gpt_oss")
   assert (granite["config"], bamba["config"]) == ("granite_hybrid", "bamba")
-  # gemma3: 6 attention layers x cdiv(48, 16) = 3 blocks when every block is kept; with the window (32 in --quick)
-  # the sliding layers hold 2 (block 0 is out of reach once 47 tokens are computed), the full layer 3.
-  assert gemma["flat_bytes_per_request"] == 6 * 3 * PAGE
-  assert gemma["hybrid_bytes_per_request"] == (3 + 5 * 2) * PAGE
-  assert gemma["measured_ratio"] == pytest.approx(18 / 13)
-  assert gemma["theoretical_ratio"] == pytest.approx(6 * 48 / (48 + 5 * 32))
-  # Both modes hold blocks for every layer in the budget's arrays: 64 blocks admit cdiv(64, 3) - 1 = 21 requests.
-  assert gemma["hybrid_max_concurrent"] == gemma["flat_max_concurrent"] == 21
-  assert gemma["flat_pooled_capacity"] == 64 * 6 * PAGE // (18 * PAGE)
+  # gemma3 (12 layers, 5:1): off, one group keeping cdiv(48, 16) = 3 blocks, each id spent in 12 arrays; on, 6 groups
+  # of 2 layers in 2 arrays: the full group keeps 3 blocks, each sliding group 2 (window 32 in --quick: block 0 is out
+  # of reach once 47 tokens are computed).
+  assert gemma["flat_bytes_per_request"] == 3 * 12 * PAGE
+  assert gemma["hybrid_bytes_per_request"] == (3 + 5 * 2) * 2 * PAGE
+  assert gemma["measured_ratio"] == pytest.approx(36 / 26)
+  assert gemma["theoretical_ratio"] == pytest.approx(12 * 48 / (2 * 48 + 10 * 32))
+  # The budget is 64 blocks x 12 arrays: off, 63 usable blocks admit 21 requests of 3; on, 384 blocks (383 usable):
+  # 29 requests hold 13 ids each (377), and a 30th needs 18 while it prefills.
+  assert (gemma["flat_max_concurrent"], gemma["hybrid_max_concurrent"]) == (21, 29)
+  assert gemma["flat_pooled_capacity"] == 64 * 12 * PAGE // (36 * PAGE)
+  assert gemma["hybrid_pooled_capacity"] == 64 * 12 * PAGE // (26 * PAGE)
   # qwen3_next has no sliding layer: both modes keep every block (2 attention layers) plus the same GDN state.
   assert qwen["measured_ratio"] == qwen["theoretical_ratio"] == 1.0
   assert qwen["hybrid_bytes_per_request"] - 2 * 3 * PAGE == qwen["flat_bytes_per_request"] - 2 * 3 * PAGE > 0

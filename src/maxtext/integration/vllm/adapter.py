@@ -140,7 +140,7 @@ class MaxTextForCausalLM(nnx.Module):
     self.vllm_config = vllm_config
     self.mesh = mesh
     self.cfg = maxtext_config_from_vllm(vllm_config)
-    self.backend = get_backend(self.cfg.kernel_backend, mesh)
+    self.backend = get_backend(self.cfg.kernel_backend, mesh, self.cfg)
     self.num_layers = self.cfg.base_num_decoder_layers
     self.is_dummy = _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT
     if self.is_dummy:
@@ -286,7 +286,7 @@ class MaxTextForCausalLM(nnx.Module):
 
   def compute_logits(self, hidden_states: jax.Array) -> jax.Array:
     """Logits `[R, V]` of hidden states `[R, D]` (already gathered at each request's last token)."""
-    return self.model.compute_logits(hidden_states)
+    return self.model.compute_logits(hidden_states, self.backend)
 
   def embed_input_ids(self, input_ids: jax.Array) -> jax.Array:
     """Token embeddings `[T, D]` of `input_ids` `[T]`."""

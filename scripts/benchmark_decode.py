@@ -33,11 +33,17 @@ This package's load + first call is measured twice: a cold start, whose compilat
 warm start (`wload_s`, `wfirst_s`), a second process over the folder the first one filled, as a second run of the
 same model finds it; the warm start's tokens must equal the cold run's (`warm_same_tokens` in the JSON).
 
+With `--baseline-src DIR` this package also runs from another source tree (DIR, a checkout's src/ folder, first
+on the worker's PYTHONPATH) as the peer `maxtext@baseline`, right before or after this tree's run of each checkpoint
+(the order alternating from one checkpoint to the next), and each row of this tree reports its tokens/s over the
+baseline's (`vs base`) and whether their tokens agree (`=base`): a before/after comparison measured in one run.
+
 Timings are measurements only; on a shared machine compare ratios from one run, not absolute numbers.
 
 Usage: python scripts/benchmark_decode.py [--models llama gemma3 qwen3_next] [--peers maxtext transformers vllm]
                                           [--batches 1 8] [--prompt-len 64] [--new-tokens 64] [--repeats 2]
-                                          [--paired-rounds 5] [--vllm-python PATH] [--quick] [--json]
+                                          [--paired-rounds 5] [--vllm-python PATH] [--baseline-src DIR]
+                                          [--quick] [--json]
 """
 
 import argparse
@@ -53,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 PEERS = ("maxtext", "transformers", "vllm")
+BASELINE = "maxtext@baseline"  # this package from `--baseline-src`
 LIN, FULL, SLIDE = "linear_attention", "full_attention", "sliding_attention"
 _COMMON = {
     "vocab_size": 32000,
@@ -211,7 +218,7 @@ class BandwidthProbe:
     import jax
     import jax.numpy as jnp
 
-    from maxtext.kernels import huge_pages
+    from maxtext.kernels.cpu import huge_pages
 
     self.size = (4 if quick else 64) * 2**20  # 16 MiB or 256 MiB of fp32
     self.reads = 3 if quick else 10
@@ -455,25 +462,27 @@ def _worker_main(argv: Sequence[str]) -> int:
 # ----------------------------------------------------------------------------------------------- the driver
 
 
-def _env() -> dict[str, str]:
-  """This environment, with the repository's src/ first on PYTHONPATH (a fresh checkout runs without install).
+def _env(src: str | None = None) -> dict[str, str]:
+  """This environment, with `src` (default: the repository's src/) first on PYTHONPATH (a fresh checkout runs
+  without install).
 
   A compilation cache folder set for JAX is dropped: the maxtext workers get their own (empty for the cold start).
   """
   env = dict(os.environ)
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
   env.pop("JAX_ENABLE_COMPILATION_CACHE", None)
-  src = str(Path(__file__).resolve().parents[1] / "src")
+  src = src or str(Path(__file__).resolve().parents[1] / "src")
   env["PYTHONPATH"] = os.pathsep.join([src] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
   env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
   return env
 
 
-def run_worker(python: str, role: str, args: Sequence[str], timeout: float) -> dict[str, Any]:
-  """Runs one worker process; returns its JSON result, or {"error": ...} when it fails."""
+def run_worker(python: str, role: str, args: Sequence[str], timeout: float, src: str | None = None) -> dict[str, Any]:
+  """Runs one worker process (with `src` first on its PYTHONPATH; default: this repository's src/); returns its JSON
+  result, or {"error": ...} when it fails."""
   cmd = [python, str(Path(__file__).resolve()), "--_worker", role, *args]
   try:
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    proc = subprocess.run(cmd, env=_env(src), capture_output=True, text=True, timeout=timeout, check=False)
   except subprocess.TimeoutExpired:
     return {"error": f"timed out after {timeout:.0f} s"}
   lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
@@ -554,12 +563,18 @@ def summarize(
         rows[-1]["warm_same_tokens"] = _matches(warm_stats.get("tokens"), stats["tokens"])
   best: dict[tuple[str, int], float] = {}
   for row in rows:
-    if row.get("batch") is not None and row["peer"] != "maxtext":
+    if row.get("batch") is not None and row["peer"] not in ("maxtext", BASELINE):
       key = (row["model"], row["batch"])
       best[key] = max(best.get(key, 0.0), row["tokens_per_s"])
   for row in rows:
     if row.get("batch") is not None and row["peer"] == "maxtext" and (row["model"], row["batch"]) in best:
       row["ratio_to_best_peer"] = row["tokens_per_s"] / best[(row["model"], row["batch"])]
+  baseline = peers.get(BASELINE, {}).get("batches", {})
+  for row in rows:
+    base = baseline.get(str(row.get("batch")))
+    if row.get("batch") is not None and row["peer"] == "maxtext" and base:
+      row["ratio_to_baseline"] = row["tokens_per_s"] / base["tokens_per_s"]
+      row["same_tokens_as_baseline"] = _matches(peers["maxtext"]["batches"][str(row["batch"])]["tokens"], base["tokens"])
   return rows
 
 
@@ -573,7 +588,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
   header = (
       f"{'model':<11} {'peer':<12} {'batch':>5} {'tok/s':>8} {'vs best':>7} {'load_s':>7} {'first_s':>7} "
       f"{'wload_s':>7} {'wfirst_s':>8} {'recomp':>6} {'roofline':>8} {'step_ms':>7} {'step_rf':>7} {'pair_rf':>7} "
-      f"{'same':>5}"
+      f"{'same':>5} {'vs base':>7} {'=base':>5}"
   )
   lines = [header, "-" * len(header)]
   for row in rows:
@@ -587,10 +602,11 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     step_rf = _cell(row.get("decode_step_roofline_share"))
     pair_rf = _cell(row.get("paired_step_roofline_share"))
     warm_load, warm_first = _cell(row.get("warm_load_s")), _cell(row.get("warm_first_call_s"))
+    vs_base, same_base = _cell(row.get("ratio_to_baseline")), _cell(row.get("same_tokens_as_baseline"))
     lines.append(
         f"{row['model']:<11} {row['peer']:<12} {row['batch']:>5} {row['tokens_per_s']:>8.1f} {ratio:>7} "
         f"{row['load_s']:>7.2f} {row['first_call_s']:>7.2f} {warm_load:>7} {warm_first:>8} {recomp:>6} "
-        f"{row['roofline_share']:>8.2f} {step_ms:>7} {step_rf:>7} {pair_rf:>7} {same:>5}"
+        f"{row['roofline_share']:>8.2f} {step_ms:>7} {step_rf:>7} {pair_rf:>7} {same:>5} {vs_base:>7} {same_base:>5}"
     )
     if row.get("warm_error"):
       lines.append(f"{row['model']:<11} {'maxtext':<12} warm start not run: {row['warm_error']}")
@@ -630,8 +646,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--vllm-python", default=sys.executable, help="interpreter that has vllm (its own venv)")
   parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker process")
   parser.add_argument("--quick", action="store_true", help="test-size models, batches 1 2, 8 + 4 tokens, 1 repeat")
+  parser.add_argument(
+      "--baseline-src", default="", help=f"also run this package from DIR (a checkout's src/) as {BASELINE}"
+  )
   parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
   args = parser.parse_args(argv)
+  if args.baseline_src and not Path(args.baseline_src, "maxtext", "__init__.py").is_file():
+    parser.error(f"--baseline-src {args.baseline_src}: must be a src/ folder holding the maxtext package")
   batches = args.batches or ([1, 2] if args.quick else [1, 8])
   prompt_len = args.prompt_len or (8 if args.quick else 64)
   new_tokens = args.new_tokens or (4 if args.quick else 64)
@@ -660,14 +681,22 @@ def main(argv: Sequence[str] | None = None) -> int:
       run_args += ["--new-tokens", str(new_tokens), "--repeats", str(repeats)]
       cache_args = ["--cache-dir", os.path.join(tmp, f"{model}-compilation-cache")]  # empty: a cold start
       paired_args = ["--paired-rounds", str(paired_rounds)] + quick
+      jobs = list(peers)
+      if args.baseline_src and "maxtext" in jobs:
+        # Beside this tree's run, before it for every other checkpoint: neither side always runs first.
+        jobs.insert(jobs.index("maxtext") + (len(runs) % 2), BASELINE)
       results = {
-          peer: run_worker(
-              args.vllm_python if peer == "vllm" else sys.executable,
-              peer,
-              run_args + (cache_args + paired_args if peer == "maxtext" else []),
-              args.timeout,
+          job: (
+              run_worker(sys.executable, "maxtext", run_args, args.timeout, src=args.baseline_src)
+              if job == BASELINE
+              else run_worker(
+                  args.vllm_python if job == "vllm" else sys.executable,
+                  job,
+                  run_args + (cache_args + paired_args if job == "maxtext" else []),
+                  args.timeout,
+              )
           )
-          for peer in peers
+          for job in jobs
       }
       if "maxtext" in results and "error" not in results["maxtext"]:
         results["maxtext"]["warm"] = run_worker(sys.executable, WARM, run_args + cache_args, args.timeout)
@@ -681,6 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       for row in summarize(model, checkpoint, hf_config, results, bandwidth["gb_per_s"])
   ]
   settings = {
+      "baseline_src": args.baseline_src or None,
       "batches": batches,
       "prompt_len": prompt_len,
       "new_tokens": new_tokens,

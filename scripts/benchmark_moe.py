@@ -5,7 +5,7 @@ routing depends on the data as in a model) of Qwen3-Next's decode-benchmark size
 fp32) runs jitted at each token count, in two forms:
   tiled     `kernels.moe.experts_tiled`: the rows sorted by expert, a loop over one-expert tiles (XLA copies each
             tile's expert matrices out of the stacked weights before its products)
-  cpu_rows  `kernels.moe.experts_cpu_rows`: every row times its expert's matrices where they lie, through the
+  cpu_rows  `kernels.cpu.cpu_moe.experts_cpu_rows`: every row times its expert's matrices where they lie, through the
             small-batch CPU kernel's `expert_matmul` (x86-64 with AVX2 and FMA only; skipped elsewhere)
 For each it reports the compile time (lower + compile), the best and median time of a call (the forms alternate,
 call by call, so drift on a shared machine hits both alike), the ratio to tiled, and the largest difference from
@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtext.kernels import cpu_gemm
-from maxtext.kernels.moe import experts_cpu_rows, experts_tiled
+from maxtext.kernels.cpu import cpu_gemm
+from maxtext.kernels.cpu.cpu_moe import experts_cpu_rows
+from maxtext.kernels.moe import experts_tiled
 from maxtext.layers.moe import route
 from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
 

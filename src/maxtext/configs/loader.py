@@ -134,11 +134,22 @@ def _model_config_path(model_name: str, base_path: str) -> str:
   )
 
 
+# Keys this package no longer reads, with what replaced them (an unknown-key error would only suggest a neighbour).
+RETIRED_KEYS = {
+    "cpu_small_matmul": (
+        "the CPU kernels are the kernel backend `cpu` now: set kernel_backend=cpu (the engine's default on one CPU"
+        " device) to use them, or kernel_backend=reference to run without them"
+    ),
+}
+
+
 def _typed_layer(
     values: Mapping[str, Any], types: Mapping[str, type], source: str, is_text: bool = False
 ) -> dict[str, Any]:
   layer = {}
   for key, value in values.items():
+    if key in RETIRED_KEYS:
+      raise ConfigError(f"config key {key!r} ({source}) was removed: {RETIRED_KEYS[key]}")
     if not isinstance(key, str) or key not in types:
       raise ConfigError(f"unknown config key {key!r} ({source}){suggest_key(str(key), list(types))}")
     if is_text:

@@ -37,7 +37,6 @@ CLI_KEYS = (
 )
 RUNNER_KEYS = (
     "compilation_cache_dir",
-    "cpu_small_matmul",
     "background_compile",
     "overlap_decode_steps",
     "huge_page_weights",

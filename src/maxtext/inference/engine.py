@@ -31,9 +31,8 @@ from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
-from maxtext.kernels import cpu_gemm, huge_pages
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
-from maxtext.layers import linears
+from maxtext.kernels.backend import device_default_name
 from maxtext.models import sharding
 
 logger = logging.getLogger(__name__)
@@ -180,9 +179,13 @@ class LLMEngine:
   """
 
   def __init__(self, cfg: ml_collections.FrozenConfigDict, *, eos_token_id: int | None = None):
-    self.cfg = cfg
     self.compilation_cache_dir = compilation_cache.configure(cfg.compilation_cache_dir)
     self.mesh = sharding.make_mesh(cfg)
+    if not cfg.kernel_backend:  # the device's default: `cpu` on one CPU device, else `reference`
+      cfg = ml_collections.FrozenConfigDict(
+          dict(cfg.as_configdict().to_dict(), kernel_backend=device_default_name(self.mesh))
+      )
+    self.cfg = cfg
     rng_key = jax.random.key(cfg.init_seed)
     self.model = MaxTextForCausalLM.from_config(cfg, rng_key, self.mesh)  # the model's keys only
     self.manager = make_kv_cache_manager(cfg)
@@ -196,21 +199,17 @@ class LLMEngine:
     # request id -> token sampled for it by the last `step` (read by streaming callers).
     self.last_sampled: dict[str, int] = {}
     self._next_id = 0
-    # The small-batch matmul kernel on a single CPU device (it does not partition across devices).
-    self.use_cpu_gemm = (
-        bool(cfg.cpu_small_matmul) and self.mesh.size == 1 and jax.default_backend() == "cpu" and cpu_gemm.load()
-    )
-    # Its dense weights in column panels (`linears.use_panels`): converted once loaded, or now if they already are.
-    self.weight_panels = self.use_cpu_gemm and bool(cfg.cpu_weight_panels)
-    self.panel_bytes = 0
-    if self.weight_panels and self.model.is_dummy:
-      self.panel_bytes = linears.use_panels(self.model)
+    self.backend = self.model.backend
+    # The parameters in the backend's layout (`prepare_params`): laid out once loaded, or now if they already are.
+    # `prepared_bytes` counts the bytes it re-laid.
+    self.prepared_bytes = self.backend.prepare_params(self.model) if self.model.is_dummy else 0
     # The model's structure, from the model before its weights are loaded (they fill it in place; checked below).
     graphdef, state = nnx.split(self.model)
-    if self.weight_panels and not self.model.is_dummy:
-      # The structure it will have in panels, from a copy (the loader fills the model in its own layout).
+    if not self.model.is_dummy:
+      # The structure it will have once prepared, from a copy of the abstract model (the loader fills the model in
+      # the checkpoint's layout).
       structure = nnx.merge(graphdef, state, copy=True)
-      linears.use_panels(structure)
+      self.backend.prepare_params(structure)
       graphdef, state = nnx.split(structure)
     # The jitted calls take the parameters as a flat list: flattening the nnx State (its Variables) in Python on
     # every call costs milliseconds per step, a list of arrays goes through the C++ dispatch path.
@@ -222,15 +221,13 @@ class LLMEngine:
     def step(leaves, kv_caches, input_ids, attention_metadata, input_positions, layer_map):
       self.stats.step_traces += 1  # Python side effect: runs once per trace, i.e. per compilation.
       model = merged(leaves)
-      with cpu_gemm.enabled(self.use_cpu_gemm):
-        kv_caches, hidden, _, _ = model(
-            kv_caches, input_ids, attention_metadata, None, input_positions, layer_map, None, None, True, True
-        )
+      kv_caches, hidden, _, _ = model(
+          kv_caches, input_ids, attention_metadata, None, input_positions, layer_map, None, None, True, True
+      )
       return kv_caches, hidden
 
     def logits(leaves, hidden, logits_indices):
-      with cpu_gemm.enabled(self.use_cpu_gemm):
-        return merged(leaves).compute_logits(hidden[logits_indices])
+      return merged(leaves).compute_logits(hidden[logits_indices])
 
     def greedy(leaves, hidden, logits_indices):
       rows = logits(leaves, hidden, logits_indices)
@@ -258,20 +255,16 @@ class LLMEngine:
     def zero_rows(states, rows):
       return tuple(state.at[rows].set(0, mode="drop") for state in states)
 
-    # The runner's settings: kv_caches donated, the layer map static. Steps of 1-8 tokens, the kernel's, compile
-    # with its compile options; the others with XLA's defaults (one jitted function each, traced per shape).
-    small_options = cpu_gemm.small_batch_compiler_options() if self.use_cpu_gemm else {}
-    self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(5,))
-    self._step_small = jax.jit(step, donate_argnums=(1,), static_argnums=(5,), compiler_options=small_options)
+    # The runner's settings: kv_caches donated, the layer map static. A step compiles with the options the backend
+    # asks for its size (`compiler_options`): one jitted function per distinct set, traced per shape.
+    self._jitted_steps = {"step": (step, 5), "step_greedy": (step_greedy, 8)}
+    self._programs: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+    self._programs_lock = threading.Lock()  # the background compile asks for a program too
     self._zero_rows = jax.jit(zero_rows, donate_argnums=(0,))
     self._zero_rows_bucket = next_power_of_two(max_num_reqs(cfg))
     self._logits = jax.jit(logits)
-    # Greedy steps without logprobs run the model and the argmax as one program: one dispatch per step, and only
-    # the token ids come back to the host.
-    self._step_greedy = jax.jit(step_greedy, donate_argnums=(1,), static_argnums=(8,))
-    self._step_greedy_small = jax.jit(
-        step_greedy, donate_argnums=(1,), static_argnums=(8,), compiler_options=small_options
-    )
+    # Greedy steps without logprobs run the model and the argmax as one program (`step_greedy`): one dispatch per
+    # step, and only the token ids come back to the host.
     # A greedy decode step dispatched before the previous step's tokens reached the host, with its plan.
     self._ahead: _DispatchedStep | None = None
     self.overlap_decode_steps = bool(cfg.overlap_decode_steps)
@@ -292,50 +285,65 @@ class LLMEngine:
       self._background_compile.start()
     if not self.model.is_dummy:
       self.model.load_weights(rng_key)
-      if self.weight_panels:
-        self.panel_bytes = linears.use_panels(self.model)
+      self.prepared_bytes = self.backend.prepare_params(self.model)
       loaded_graphdef, self.state = nnx.split(self.model)
       self._state_leaves, loaded_def = jax.tree_util.tree_flatten(self.state)
       if (loaded_graphdef, loaded_def) != (graphdef, state_def):
         raise RuntimeError("loading the weights changed the model's structure; the step programs were built for it")
     else:
       self.state = state
-    # The weights move onto 2 MiB pages in a thread (a decode step reads them all; see `huge_pages`), started when
-    # the first step has run: moving them while the first programs compile (the background decode step, the first
-    # prefill) would take a core from those compiles and delay the first call. Steps run meanwhile, a little slower
-    # until it is done. `huge_page_bytes` is None until then.
-    self.huge_page_bytes: int | None = None
-    self._huge_pages: threading.Thread | None = None
-    self._huge_pages_pending = bool(cfg.huge_page_weights) and jax.default_backend() == "cpu"
+    # The backend's work on the weights' memory (`place_params`; the cpu backend's 2 MiB pages: a decode step reads
+    # every weight) runs in a thread started when the first step has run: running it while the first programs
+    # compile (the background decode step, the first prefill) would take a core from those compiles and delay the
+    # first call. Steps run meanwhile, a little slower until it is done. `placed_bytes` is None until then.
+    self.placed_bytes: int | None = None
+    self._placing: threading.Thread | None = None
+    self._placing_pending = True
 
-  def _start_huge_pages(self) -> None:
-    """Starts moving the weights onto huge pages in a thread, once (`huge_page_weights`)."""
-    if not self._huge_pages_pending:
+  def _start_placing_params(self) -> None:
+    """Starts the backend's work on the weights' memory in a thread, once (none when the backend has none)."""
+    if not self._placing_pending:
       return
-    self._huge_pages_pending = False
-    self._huge_pages = threading.Thread(
-        target=self._collapse_weights,
-        args=(huge_pages.buffer_ranges(self._state_leaves),),
-        name="maxtext-huge-pages",
+    self._placing_pending = False
+    work = self.backend.place_params(self._state_leaves)
+    if work is None:
+      return
+    self._placing = threading.Thread(
+        target=self._place_params,
+        args=(work,),
+        name="maxtext-place-params",
         daemon=True,  # only system calls: a process may exit while it runs
     )
-    self._huge_pages.start()
+    self._placing.start()
 
-  def _collapse_weights(self, ranges: Sequence[tuple[int, int]]) -> None:
-    """Backs the weights' buffers (`ranges`) with huge pages; sets `huge_page_bytes`. Failures only log."""
+  def _place_params(self, work: Any) -> None:
+    """Runs the backend's `work` on the weights' memory; sets `placed_bytes`. Failures only log."""
     start = time.perf_counter()
     try:
-      self.huge_page_bytes = huge_pages.collapse(ranges)
+      self.placed_bytes = work()
     except Exception as e:  # pylint: disable=broad-exception-caught  # an optimisation must not break the engine
-      logger.warning("moving the weights onto huge pages failed (they stay where they are): %s", e)
-      self.huge_page_bytes = 0
+      logger.warning("kernel_backend=%s: placing the weights failed (they stay where they are): %s", self.backend.name, e)
+      self.placed_bytes = 0
       return
     logger.info(
-        "%.1f of %.1f MB of weights on 2 MiB pages (%.2f s)",
-        self.huge_page_bytes / 1e6,
-        sum(size for _, size in ranges) / 1e6,
+        "kernel_backend=%s placed %.1f MB of weights (%.2f s)",
+        self.backend.name,
+        self.placed_bytes / 1e6,
         time.perf_counter() - start,
     )
+
+  def _program(self, name: str, num_tokens: int) -> Any:
+    """The jitted `name` program ("step", "step_greedy") with the compile options the backend asks for a step of
+    `num_tokens` (padded) tokens; kv_caches donated, the layer map static."""
+    options = self.backend.compiler_options(num_tokens)
+    key = (name, tuple(sorted(options.items())))
+    with self._programs_lock:
+      if key not in self._programs:
+        fn, layer_map_arg = self._jitted_steps[name]
+        self._programs[key] = jax.jit(
+            fn, donate_argnums=(1,), static_argnums=(layer_map_arg,), compiler_options=options or None
+        )
+      return self._programs[key]
 
   def _compile_smallest_greedy_step(self, leaves: Sequence[Any], kv_caches: Sequence[Any]) -> None:
     """Traces and compiles the greedy step of one request and the smallest token bucket (a one-token decode).
@@ -364,11 +372,7 @@ class LLMEngine:
     """
     num_rows = min(batch.padded_num_reqs, batch.padded_num_tokens)
     indices = sampling_logits_indices(batch, sampling_request_ids, num_rows=num_rows)
-    return (self._step_greedy_small if self._is_small(batch) else self._step_greedy), indices
-
-  def _is_small(self, batch: BatchInputs) -> bool:
-    """Whether the step runs the small-batch programs (the CPU kernel's 1-8 tokens)."""
-    return self.use_cpu_gemm and cpu_gemm.small_batch_program(batch.padded_num_tokens)
+    return self._program("step_greedy", batch.padded_num_tokens), indices
 
   def _wait_for_background_compile(self, batch: BatchInputs) -> None:
     """Before a greedy step of the background program's token bucket, waits until that program is compiled."""
@@ -493,7 +497,7 @@ class LLMEngine:
       for rid, row in zip(out.sampling_request_ids, rows):
         sampled[rid] = int(token_ids[row])
     self.last_sampled = sampled
-    self._start_huge_pages()  # after the first step: its programs are compiled
+    self._start_placing_params()  # after the first step: its programs are compiled
     finished = self.scheduler.update_from_output(out, sampled)
     self.stats.steps += 1
     self.stats.scheduled_tokens += out.num_scheduled_tokens
@@ -530,7 +534,7 @@ class LLMEngine:
     """Runs the step of `out`, then samples on the host (any sampling parameters, logprobs); returns the tokens."""
     batch = build_batch(self.cfg, out, self.manager)
     inputs = _step_inputs(self._state_leaves, self.kv_caches, batch)
-    self.kv_caches, hidden = (self._step_small if self._is_small(batch) else self._step)(*inputs, self.layer_map)
+    self.kv_caches, hidden = self._program("step", batch.padded_num_tokens)(*inputs, self.layer_map)
     sampled: dict[str, int] = {}
     if params:
       indices = sampling_logits_indices(batch, out.sampling_request_ids)

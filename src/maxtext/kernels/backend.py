@@ -1,4 +1,4 @@
-"""The kernel backend: the one place through which layers reach every runner op.
+"""The kernel backend: the one place through which layers reach every runner op and every dense product.
 
 A backend serves four ops on the paged (runner) path:
   - `ragged_paged_attention`: tpu-inference's `sharded_ragged_paged_attention` argument order, without the mesh
@@ -7,28 +7,37 @@ A backend serves four ops on the paged (runner) path:
     the argument order of tpu-inference's `run_jax_gdn_attention`, again with the mesh held by the backend;
   - `mamba2_attention`: the whole Mamba2 core (causal conv with bias over the state slots, SiLU, the selective
     state scan with the D skip), with the same per-request state metadata as `gdn_attention`;
-  - `moe_experts`: the routed-expert computation of a mixture of experts.
-So a TPU backend is a thin wrapper around the runner's own kernels. The config key `kernel_backend` names the
-backend (`reference`, the pure-JAX ops of this package, by default); `get_backend(name, mesh)` builds it, and the
-model hands it down to every layer's paged forward. Another package registers more with `register_backend`.
+  - `moe_experts`: the routed-expert computation of a mixture of experts;
+the dense products the layers make on that path (`project`, `project_transposed`), and three hooks of the runner
+that owns the parameters: `prepare_params` (lay the loaded parameters out for this backend, before the first
+step), `compiler_options` (XLA options for a step program of a given size) and `place_params` (work on the
+parameters' memory, run off the step path once the first step has run). So a TPU backend is a thin wrapper around
+the runner's own kernels. The config key `kernel_backend` names the backend: `reference` (the pure-JAX ops of this
+package, the oracle the others are tested against), `cpu` (this package's C++ kernels for one x86-64 CPU device,
+`maxtext.kernels.cpu`), or one another package registers with `register_backend` (`tpu_inference`); empty means
+the device's default (`device_default_name`). `get_backend(name, mesh, cfg)` builds it, and the model hands it down
+to every layer's paged forward.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from maxtext.configs.errors import ConfigError
-from maxtext.kernels import cpu_gemm, experts, moe
+from maxtext.kernels import experts, moe
 from maxtext.kernels.ragged_conv1d import ragged_conv1d
 from maxtext.kernels.ragged_gated_delta_rule import ragged_gated_delta_rule
 from maxtext.kernels.ragged_mamba2 import ragged_mamba2
 from maxtext.kernels.ragged_paged_attention import ragged_paged_attention
 
 REFERENCE = "reference"
+CPU = "cpu"
 # `method` of moe_experts. tiled: only the selected experts, a loop over one-expert tiles of the rows sorted by
 # expert (the default: each expert computes only its own rows, where dense computes all of them); ragged: the same grouped
 # matmul as `jax.lax.ragged_dot` (for backends with a native grouped matmul); dense: every expert on every token
@@ -42,13 +51,92 @@ _EXPERT_FNS = {
 EXPERT_METHODS = tuple(_EXPERT_FNS)
 
 
+@runtime_checkable
+class Relayable(Protocol):
+  """A layer whose weight a backend may store in a layout of its own (`DenseGeneral`)."""
+
+  def relayout(self, layout: str, convert: Callable[[Any, jnp.dtype], Any]) -> int:
+    """Stores the weight as `convert(weight as [K, N], compute dtype)` returns (None: unchanged), tagged `layout`;
+    returns the bytes now in that layout."""
+
+
 class KernelBackend(abc.ABC):
-  """The ops of the paged path; a backend implements all four. `mesh` is the device mesh (or None)."""
+  """The ops of the paged path; a backend implements all four. `mesh` is the device mesh (or None).
+
+  The dense products and the runner hooks have plain defaults (XLA's dots; parameters as loaded; XLA's default
+  compile options; nothing placed), which a backend with its own replaces.
+  """
 
   name = "abstract"
 
   def __init__(self, mesh: jax.sharding.Mesh | None = None):
     self.mesh = mesh
+
+  def configure(self, cfg: Any) -> None:
+    """Reads this backend's options from the run config `cfg` (the plain backends have none)."""
+    del cfg
+
+  def project(
+      self,
+      x: jax.Array,
+      kernels: Sequence[jax.Array],
+      biases: Sequence[jax.Array | None],
+      *,
+      num_in_axes: int,
+      out_shapes: Sequence[tuple[int, ...]],
+      layouts: Sequence[str | None],
+      dtype: jnp.dtype,
+  ) -> tuple[jax.Array, ...]:
+    """`x` contracted with each kernel, plus its bias: the projections a layer takes from one input.
+
+    Args:
+      x: `[..., *in]`, the last `num_in_axes` axes contracted.
+      kernels: each `[*in, *out_shapes[i]]`, or in `layouts[i]` when that is not None (a layout this backend's
+        `prepare_params` made).
+      biases: `[*out_shapes[i]]` or None, one per kernel.
+      num_in_axes: the number of contracted axes.
+      out_shapes: each kernel's output axes.
+      layouts: each kernel's layout (None: `[*in, *out]`).
+      dtype: the compute dtype; x, kernels and biases are cast to it.
+
+    Returns:
+      One `[..., *out_shapes[i]]` in `dtype` per kernel.
+
+    Raises:
+      ValueError: a kernel is in a layout this backend does not read.
+    """
+    for i, layout in enumerate(layouts):
+      if layout is not None:
+        raise ValueError(
+            f"kernel_backend={self.name}: kernels[{i}] is in the {layout!r} layout of another backend; this backend"
+            " reads [*in, *out] kernels only (build the model anew, or use the backend that laid it out)"
+        )
+    del out_shapes  # each [*in, *out] kernel says its own
+    x = x.astype(dtype)
+    contract = ((tuple(range(x.ndim - num_in_axes, x.ndim)), tuple(range(num_in_axes))), ((), ()))
+    ys = [jax.lax.dot_general(x, kernel.astype(dtype), contract) for kernel in kernels]
+    return tuple(y if bias is None else y + bias.astype(dtype) for y, bias in zip(ys, biases))
+
+  def project_transposed(self, x: jax.Array, table: jax.Array, *, dtype: jnp.dtype) -> jax.Array:
+    """`x @ table^T` (a tied output head): x `[..., D]`, table `[V, D]` -> `[..., V]` in `dtype`."""
+    return jnp.einsum("...d,vd->...v", x.astype(dtype), table.astype(dtype))
+
+  def prepare_params(self, model: nnx.Module) -> int:  # pylint: disable=unused-argument  # the default keeps them
+    """Lays `model`'s parameters out for this backend, in place (an abstract model too), before the first step.
+
+    Returns:
+      The bytes of parameters now in a layout of this backend's (0: the parameters are as loaded).
+    """
+    return 0
+
+  def compiler_options(self, num_tokens: int) -> dict[str, str]:  # pylint: disable=unused-argument  # none here
+    """XLA compile options for a step program of `num_tokens` (padded) tokens ({}: XLA's defaults)."""
+    return {}
+
+  def place_params(self, arrays: Sequence[jax.Array]) -> Callable[[], int] | None:  # pylint: disable=unused-argument
+    """Work on the memory of the parameters' buffers `arrays`, for the runner to run in a thread once its first
+    step has run; the work returns the bytes it placed. None: nothing to do (the default)."""
+    return None
 
   @abc.abstractmethod
   def ragged_paged_attention(  # pylint: disable=too-many-positional-arguments
@@ -214,7 +302,11 @@ class KernelBackend(abc.ABC):
 
 
 class ReferenceBackend(KernelBackend):
-  """This package's pure-JAX ops (they run anywhere JAX does; the mesh is left to XLA's sharding propagation)."""
+  """This package's pure-JAX ops (they run anywhere JAX does; the mesh is left to XLA's sharding propagation).
+
+  The Gated DeltaNet and Mamba2 ops are composed of a conv (`conv1d`) and a recurrence (`gated_delta_rule`,
+  `mamba2_scan`), which a backend built on this one may replace one at a time.
+  """
 
   name = REFERENCE
 
@@ -286,13 +378,13 @@ class ReferenceBackend(KernelBackend):
     if conv_weight.shape[-1] != kernel_size:
       raise ValueError(f"gdn_attention: conv_weight {conv_weight.shape} must be [C, 1, kernel_size={kernel_size}]")
     args = (state_indices, query_start_loc, seq_lens, distribution, read_state_indices)
-    conv_out, conv_state = ragged_conv1d(mixed_qkv, conv_state, conv_weight, conv_bias, *args)
+    conv_out, conv_state = self.conv1d(mixed_qkv, conv_state, conv_weight, conv_bias, *args)
     t = conv_out.shape[0]
     nkk = n_kq * d_k
     q = conv_out[:, :nkk].reshape(t, n_kq, d_k)
     k = conv_out[:, nkk : 2 * nkk].reshape(t, n_kq, d_k)
     v = conv_out[:, 2 * nkk :].reshape(t, n_v, d_v)
-    out, recurrent_state = ragged_gated_delta_rule(q, k, v, b, a, A_log, dt_bias, recurrent_state, *args)
+    out, recurrent_state = self.gated_delta_rule(q, k, v, b, a, A_log, dt_bias, recurrent_state, *args)
     return (conv_state, recurrent_state), out.reshape(t, n_v * d_v)
 
   def mamba2_attention(  # pylint: disable=too-many-positional-arguments
@@ -326,13 +418,25 @@ class ReferenceBackend(KernelBackend):
           f"mamba2_attention: xbc must be [T, nh*hd + 2*G*N] = [T, {inner + 2 * bc}]; got {tuple(xbc.shape)}"
       )
     args = (state_indices, query_start_loc, seq_lens, distribution)
-    conv_out, conv_state = ragged_conv1d(xbc, conv_state, conv_weight, conv_bias, *args, read_state_indices)
+    conv_out, conv_state = self.conv1d(xbc, conv_state, conv_weight, conv_bias, *args, read_state_indices)
     t = conv_out.shape[0]
     x = conv_out[:, :inner].reshape(t, n_heads, head_dim)
     b = conv_out[:, inner : inner + bc].reshape(t, n_groups, state_dim)
     c = conv_out[:, inner + bc :].reshape(t, n_groups, state_dim)
-    y, ssm_state = ragged_mamba2(x, dt, b, c, A_log, D, dt_bias, ssm_state, *args, time_step_limit, read_state_indices)
+    y, ssm_state = self.mamba2_scan(x, dt, b, c, A_log, D, dt_bias, ssm_state, *args, time_step_limit, read_state_indices)
     return (conv_state, ssm_state), y.reshape(t, inner)
+
+  def conv1d(self, *args: Any) -> tuple[jax.Array, jax.Array]:
+    """The causal conv of the recurrent ops: `ragged_conv1d`'s arguments and result."""
+    return ragged_conv1d(*args)
+
+  def gated_delta_rule(self, *args: Any) -> tuple[jax.Array, jax.Array]:
+    """The Gated DeltaNet recurrence: `ragged_gated_delta_rule`'s arguments and result."""
+    return ragged_gated_delta_rule(*args)
+
+  def mamba2_scan(self, *args: Any) -> tuple[jax.Array, jax.Array]:
+    """The Mamba2 recurrence: `ragged_mamba2`'s arguments and result."""
+    return ragged_mamba2(*args)
 
   def moe_experts(  # pylint: disable=too-many-positional-arguments
       self,
@@ -355,25 +459,33 @@ class ReferenceBackend(KernelBackend):
       raise ValueError(f"MoE method must be one of {EXPERT_METHODS}, got {method!r}")
     extra = {"b_gate": b_gate, "b_up": b_up, "b_down": b_down, "glu": glu}
     extra = {k: v for k, v in extra.items() if v is not None}  # the plain expert MLP passes no optional arguments
-    fn = _EXPERT_FNS[method]
-    if cpu_gemm.applies_experts(indices.size, dtype, w_gate.dtype, w_up.dtype, w_down.dtype):
-      fn = moe.experts_cpu_rows  # the CPU kernel reads the selected experts in place (engine steps on one CPU)
-    return fn(x, weights, indices, w_gate, w_up, w_down, activation=activation, dtype=dtype, **extra)
+    return _EXPERT_FNS[method](x, weights, indices, w_gate, w_up, w_down, activation=activation, dtype=dtype, **extra)
 
 
-_BACKENDS: dict[str, Callable[[jax.sharding.Mesh | None], KernelBackend]] = {REFERENCE: ReferenceBackend}
+def _cpu_backend(mesh: jax.sharding.Mesh | None) -> KernelBackend:
+  # pylint: disable-next=import-outside-toplevel  # the cpu package builds on this module's ReferenceBackend
+  from maxtext.kernels.cpu.backend import CpuBackend
+
+  return CpuBackend(mesh)
+
+
+_BUILT_IN = (REFERENCE, CPU)
+_BACKENDS: dict[str, Callable[[jax.sharding.Mesh | None], KernelBackend]] = {
+    REFERENCE: ReferenceBackend,
+    CPU: _cpu_backend,
+}
 
 
 def register_backend(name: str, factory: Callable[[jax.sharding.Mesh | None], KernelBackend]) -> None:
   """Makes `kernel_backend=<name>` build `factory(mesh)`.
 
   Raises:
-    ValueError: an empty name, or the name of the built-in reference backend.
+    ValueError: an empty name, or the name of a built-in backend (reference, cpu).
   """
   if not isinstance(name, str) or not name.strip():
     raise ValueError(f"a kernel backend name must be a non-empty string, got {name!r}")
-  if name == REFERENCE:
-    raise ValueError(f"{REFERENCE!r} is the built-in backend and cannot be replaced")
+  if name in _BUILT_IN:
+    raise ValueError(f"{name!r} is a built-in backend and cannot be replaced")
   _BACKENDS[name] = factory
 
 
@@ -382,15 +494,29 @@ def backend_names() -> tuple[str, ...]:
   return tuple(sorted(_BACKENDS))
 
 
-def get_backend(name: str, mesh: jax.sharding.Mesh | None = None) -> KernelBackend:
-  """The backend `kernel_backend=name` selects, holding `mesh`.
+def device_default_name(mesh: jax.sharding.Mesh | None) -> str:
+  """The backend a runner uses when the config names none (`kernel_backend: ""`): `cpu` on one CPU device (no
+  mesh, or a mesh of one device), else `reference`."""
+  one_device = mesh is None or mesh.size == 1
+  return CPU if one_device and jax.default_backend() == "cpu" else REFERENCE
+
+
+def get_backend(name: str, mesh: jax.sharding.Mesh | None = None, cfg: Any = None) -> KernelBackend:
+  """The backend `kernel_backend=name` selects, holding `mesh`, with its options read from the run config `cfg`.
+
+  An empty name is the reference backend here: a runner that wants the device's default asks
+  `device_default_name` first.
 
   Raises:
-    ConfigError: no backend of that name is registered.
+    ConfigError: no backend of that name is registered, or it cannot run on this mesh.
   """
+  name = name or REFERENCE
   if name not in _BACKENDS:
-    raise ConfigError(f"kernel_backend={name!r}: must be one of {', '.join(backend_names())}")
-  return _BACKENDS[name](mesh)
+    raise ConfigError(f"kernel_backend={name!r}: must be one of {', '.join(backend_names())} (or empty)")
+  backend = _BACKENDS[name](mesh)
+  if cfg is not None:
+    backend.configure(cfg)
+  return backend
 
 
 def default_backend() -> KernelBackend:

@@ -12,11 +12,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from maxtext.kernels import cpu_gemm
 from maxtext.kernels.experts import Glu, add_bias, check_biases, gated
 
 
-def _check_shapes(x, weights, indices, w_gate, w_up, w_down) -> None:
+def check_shapes(x, weights, indices, w_gate, w_up, w_down) -> None:
+  """Checks the routed experts' operands (`experts_ragged`'s); raises ValueError naming the one that does not fit."""
   if x.ndim != 2 or weights.ndim != 2 or indices.shape != weights.shape or indices.shape[0] != x.shape[0]:
     raise ValueError(
         f"the MoE experts need x [T, D] and weights, indices [T, k]; got x {x.shape}, weights {weights.shape},"
@@ -83,7 +83,7 @@ def experts_ragged(
   Raises:
     ValueError: shapes that disagree (the message names the array and both shapes).
   """
-  _check_shapes(x, weights, indices, w_gate, w_up, w_down)
+  check_shapes(x, weights, indices, w_gate, w_up, w_down)
   check_biases(w_gate, b_gate, b_up, b_down)
   num_experts, emb_dim, _ = w_gate.shape
   num_tokens, top_k = indices.shape
@@ -132,7 +132,7 @@ def experts_tiled(
   Work is at most about twice `T * k` rows of one expert MLP, plus one weight read per tile. Same arguments,
   result and errors as `experts_ragged`.
   """
-  _check_shapes(x, weights, indices, w_gate, w_up, w_down)
+  check_shapes(x, weights, indices, w_gate, w_up, w_down)
   check_biases(w_gate, b_gate, b_up, b_down)
   num_experts, emb_dim, _ = w_gate.shape
   num_tokens, top_k = indices.shape
@@ -161,36 +161,3 @@ def experts_tiled(
   flat_row = jnp.where(valid, order[sorted_row], num_rows)  # invalid slots land in a dropped extra row
   y = jnp.zeros((num_rows + 1, emb_dim), dtype).at[flat_row.reshape(-1)].set(tiles_out.reshape(-1, emb_dim))
   return jnp.einsum("tk,tkd->td", weights.astype(dtype), y[:num_rows].reshape(num_tokens, top_k, emb_dim))
-
-
-def experts_cpu_rows(
-    x: jax.Array,
-    weights: jax.Array,
-    indices: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    *,
-    activation: Callable[[jax.Array], jax.Array],
-    dtype: jnp.dtype,
-    b_gate: jax.Array | None = None,
-    b_up: jax.Array | None = None,
-    b_down: jax.Array | None = None,
-    glu: Glu | None = None,
-) -> jax.Array:
-  """`experts_ragged`'s result by the CPU kernel's `expert_matmul`, which reads each selected matrix in place.
-
-  Every (token, choice) row is multiplied by its expert's matrices where they lie in the stacked weights: no sort,
-  no loop and no copy of expert weights (a loop over experts with `w[e]` copies each matrix before its product).
-  For float32 on the CPU (`cpu_gemm.applies_experts`); same arguments, result and errors as `experts_ragged`.
-  """
-  _check_shapes(x, weights, indices, w_gate, w_up, w_down)
-  check_biases(w_gate, b_gate, b_up, b_down)
-  num_tokens, top_k = indices.shape
-  expert_of_row = indices.reshape(-1).astype(jnp.int32)  # flat row t * k + j
-  rows = jnp.repeat(x.astype(dtype), top_k, axis=0)  # [T * k, D]
-  gate, up = cpu_gemm.expert_matmuls(rows, (w_gate.astype(dtype), w_up.astype(dtype)), expert_of_row)  # one call
-  gate, up = add_bias(gate, b_gate, expert_of_row, dtype), add_bias(up, b_up, expert_of_row, dtype)
-  hidden = gated(gate, up, activation, glu)  # [T * k, F]
-  y = add_bias(cpu_gemm.expert_matmul(hidden, w_down.astype(dtype), expert_of_row), b_down, expert_of_row, dtype)
-  return jnp.einsum("tk,tkd->td", weights.astype(dtype), y.reshape(num_tokens, top_k, -1))

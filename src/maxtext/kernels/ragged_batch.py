@@ -127,23 +127,6 @@ def has_initial_state(layout: TokenLayout, seq_lens: jax.Array, read_state_indic
   return has_state
 
 
-def kernel_state_slots(
-    num_tokens: int,
-    state_indices: jax.Array,
-    query_start_loc: jax.Array,
-    seq_lens: jax.Array,
-    distribution: jax.Array,
-    read_state_indices: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-  """The `(read, write)` int32 `[S]` slots of the CPU recurrent kernels (`cpu_gated_delta`, `cpu_mamba2`): a
-  request reads its read slot (`read_state_indices`, else `state_indices`) when it `has_initial_state`, else -1
-  (zeros), and writes `state_indices`."""
-  layout = token_layout(num_tokens, query_start_loc, distribution)
-  has_init = has_initial_state(layout, seq_lens, read_state_indices)
-  read = state_indices if read_state_indices is None else read_state_indices
-  return jnp.where(has_init, read.astype(jnp.int32), -1), state_indices.astype(jnp.int32)
-
-
 def set_rows(target: jax.Array, index: jax.Array, updates: jax.Array) -> jax.Array:
   """`target.at[index].set(updates, mode="drop")`: rows `index[i]` of `target` become `updates[i]`, in place.
 

@@ -10,7 +10,7 @@ chunked prefills share one code path.
 import jax
 import jax.numpy as jnp
 
-from maxtext.kernels import cpu_gemm, ragged_batch
+from maxtext.kernels import ragged_batch
 
 
 def _validate(x, conv_state, weight, bias, state_indices, query_start_loc, seq_lens, distribution, read) -> None:
@@ -41,6 +41,8 @@ def ragged_conv1d(
     seq_lens: jax.Array,
     distribution: jax.Array,
     read_state_indices: jax.Array | None = None,
+    *,
+    sum_taps: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Causal depthwise conv + SiLU over a ragged batch, reading and updating each request's conv state.
 
@@ -60,6 +62,8 @@ def ragged_conv1d(
     distribution: `[3]` int32; `distribution[2]` is the number of real requests.
     read_state_indices: `[S]` int32 slot each request reads its initial state from (None: `state_indices`);
       prefix caching resumes from one state block and checkpoints into another.
+    sum_taps: form the taps' sum as a product and a sum over K rather than a contraction (a dot): the same values,
+      in the form a backend whose small programs compile without YNNPACK's fusions wants at a few rows.
 
   Returns:
     `(y [T, C] in x.dtype, new_conv_state [M, K - 1, C])`; the new state of a request is the last K - 1 raw rows
@@ -96,13 +100,11 @@ def ragged_conv1d(
   from_x, from_state, in_chunk = rows_before(tokens + 1, layout.request_ids, width)  # [T, K, C] each
   window = jnp.where(in_chunk[..., None], from_x.astype(jnp.float32), from_state.astype(jnp.float32))
   taps = weight[:, 0, :].astype(jnp.float32)  # [C, K]
-  if cpu_gemm.active() and cpu_gemm.small_batch_program(num_tokens):
-    # A decode program the engine compiles without YNNPACK's fusions (`cpu_gemm.small_batch_compiler_options`):
-    # a product and a sum over the K taps, one fused loop of XLA's, with no dot call and no transpose of the taps
-    # for a handful of rows.
+  if sum_taps:
+    # One fused loop of XLA's, with no dot call and no transpose of the taps, for a handful of rows.
     y = jnp.sum(window * taps.T, axis=1)
   else:
-    # A prefill: YNNPACK runs the contraction as a dot, which beats its fusion of the product and sum at many rows.
+    # YNNPACK runs the contraction as a dot, which beats its fusion of the product and sum at many rows.
     y = jnp.einsum("tkc,ck->tc", window, taps)
   if bias is not None:
     y = y + bias.astype(jnp.float32)

@@ -4,15 +4,14 @@ Approach: a `lax.scan` over the T tokens of the batch, carrying the running stat
 (`[nv, dk, dv]` fp32) and the slot array. A request's first token loads its initial state (its slot, or zeros
 without earlier tokens); its last token stores the state back into its slot. Decodes, prefills and chunked
 prefills share this path; the sequential cost is one small step per token, fine for CPU-sized batches. The
-per-token algebra is the recurrent form of the gated delta rule; a TPU backend replaces the whole function. Inside
-`cpu_gemm.enabled()` (the engine's step programs on one CPU device) the recurrence runs on the CPU kernel instead
-(`cpu_gated_delta`), each request's tokens in order on its state slot, in place.
+per-token algebra is the recurrent form of the gated delta rule; a TPU backend replaces the whole function, and
+a backend with its own recurrence takes the prepared operands (`gated_delta_operands`) and runs it its way.
 """
 
 import jax
 import jax.numpy as jnp
 
-from maxtext.kernels import cpu_gated_delta, ragged_batch
+from maxtext.kernels import ragged_batch
 
 _L2_EPS = 1e-6
 
@@ -97,6 +96,69 @@ def ragged_gated_delta_rule(
   Raises:
     ValueError / TypeError: inconsistent shapes, or a non-fp32 recurrent state (static checks).
   """
+  qf, kf, vf, beta, decay = gated_delta_operands(
+      q,
+      k,
+      v,
+      b,
+      a,
+      A_log,
+      dt_bias,
+      recurrent_state,
+      state_indices,
+      query_start_loc,
+      seq_lens,
+      distribution,
+      read_state_indices,
+  )
+
+  def update(state, xs):  # state [nv, dk, dv]
+    q_t, k_t, v_t, beta_t, e_t = xs
+    k_state = jnp.einsum("hk,hkv->hv", k_t, state)
+    q_state = jnp.einsum("hk,hkv->hv", q_t, state)
+    v_new = beta_t[:, None] * (v_t - e_t[:, None] * k_state)
+    out = e_t[:, None] * q_state + jnp.sum(q_t * k_t, axis=-1)[:, None] * v_new
+    return e_t[:, None, None] * state + k_t[:, :, None] * v_new[:, None, :], out
+
+  out, new_state = ragged_batch.ragged_state_scan(
+      update,
+      (qf, kf, vf, beta, decay),
+      recurrent_state,
+      state_indices,
+      query_start_loc,
+      seq_lens,
+      distribution,
+      read_state_indices,
+  )
+  return out.astype(v.dtype), new_state
+
+
+def gated_delta_operands(  # pylint: disable=too-many-positional-arguments
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    b: jax.Array,
+    a: jax.Array,
+    A_log: jax.Array,  # pylint: disable=invalid-name  # the checkpoint's parameter name
+    dt_bias: jax.Array,
+    recurrent_state: jax.Array,
+    state_indices: jax.Array,
+    query_start_loc: jax.Array,
+    seq_lens: jax.Array,
+    distribution: jax.Array,
+    read_state_indices: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Checks `ragged_gated_delta_rule`'s operands (same arguments) and returns the recurrence's float32 inputs.
+
+  A backend with its own recurrence calls it, then runs the recurrence on these.
+
+  Returns:
+    `(q [T, nv, dk] normalised and scaled, k [T, nv, dk] normalised, v [T, nv, dv], beta [T, nv], decay [T, nv])`,
+    all float32, each key head repeated over its value heads.
+
+  Raises:
+    ValueError / TypeError: as `ragged_gated_delta_rule`.
+  """
   _validate(
       q,
       k,
@@ -121,42 +183,4 @@ def ragged_gated_delta_rule(
   decay = jnp.exp(
       -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
   )
-
-  def update(state, xs):  # state [nv, dk, dv]
-    q_t, k_t, v_t, beta_t, e_t = xs
-    k_state = jnp.einsum("hk,hkv->hv", k_t, state)
-    q_state = jnp.einsum("hk,hkv->hv", q_t, state)
-    v_new = beta_t[:, None] * (v_t - e_t[:, None] * k_state)
-    out = e_t[:, None] * q_state + jnp.sum(q_t * k_t, axis=-1)[:, None] * v_new
-    return e_t[:, None, None] * state + k_t[:, :, None] * v_new[:, None, :], out
-
-  if cpu_gated_delta.applies(qf.dtype, vf.dtype, recurrent_state.dtype):
-    # The CPU kernel runs the recurrence of every request on its state slot, in place (no loop over tokens or
-    # conditional in XLA).
-    read, write = ragged_batch.kernel_state_slots(
-        q.shape[0], state_indices, query_start_loc, seq_lens, distribution, read_state_indices
-    )
-    out, new_state = cpu_gated_delta.gated_delta(
-        qf,
-        kf,
-        vf,
-        beta,
-        decay,
-        query_start_loc.astype(jnp.int32),
-        read,
-        write,
-        distribution.astype(jnp.int32),
-        recurrent_state,
-    )
-    return out.astype(v.dtype), new_state
-  out, new_state = ragged_batch.ragged_state_scan(
-      update,
-      (qf, kf, vf, beta, decay),
-      recurrent_state,
-      state_indices,
-      query_start_loc,
-      seq_lens,
-      distribution,
-      read_state_indices,
-  )
-  return out.astype(v.dtype), new_state
+  return qf, kf, vf, beta, decay

@@ -1,18 +1,17 @@
 """Ragged Mamba2 selective-state scan with per-request SSM states: the Mamba2 core of the paged path.
 
-Approach (the same as `ragged_gated_delta_rule`): inside `cpu_gemm.enabled()`, with a float32 state, the CPU kernel
-(`cpu_mamba2`) runs each request's tokens on its state slot, in place. Otherwise a `lax.scan` over the T tokens of
-the batch carries the running state of the current request (`[nh, hd, N]` fp32) and the slot array. A request's
-first token loads its initial state (its slot, or zeros when the request has no earlier tokens); its last token
-stores the state back into its slot. Decodes, prefills and chunked prefills share both paths. The per-request
-metadata is the Gated DeltaNet op's (`state_indices`, `query_start_loc`, `seq_lens`, `distribution`), so both
-recurrent ops index state slots alike.
+Approach (the same as `ragged_gated_delta_rule`): a `lax.scan` over the T tokens of the batch carries the running
+state of the current request (`[nh, hd, N]` fp32) and the slot array. A request's first token loads its initial
+state (its slot, or zeros when the request has no earlier tokens); its last token stores the state back into its
+slot. Decodes, prefills and chunked prefills share this path; a backend with its own recurrence takes the prepared
+operands (`mamba2_operands`). The per-request metadata is the Gated DeltaNet op's (`state_indices`,
+`query_start_loc`, `seq_lens`, `distribution`), so both recurrent ops index state slots alike.
 """
 
 import jax
 import jax.numpy as jnp
 
-from maxtext.kernels import cpu_gated_delta, cpu_mamba2, ragged_batch
+from maxtext.kernels import ragged_batch
 
 
 def _time_step(dt: jax.Array, dt_bias: jax.Array, time_step_limit: tuple[float, float]) -> jax.Array:
@@ -101,7 +100,7 @@ def ragged_mamba2(
   Raises:
     ValueError / TypeError: inconsistent shapes, or a non-fp32 state (static checks).
   """
-  _validate(
+  xf, delta, decay = mamba2_operands(
       x,
       dt,
       b,
@@ -117,31 +116,7 @@ def ragged_mamba2(
       time_step_limit,
       read_state_indices,
   )
-  num_heads = x.shape[1]
-  repeat = num_heads // b.shape[1]
-  xf = x.astype(jnp.float32)
-  delta = _time_step(dt, dt_bias, time_step_limit)  # [T, nh]
-  decay = jnp.exp(delta * -jnp.exp(A_log.astype(jnp.float32)))  # [T, nh]
-  if cpu_gated_delta.applies(xf.dtype, ssm_state.dtype):
-    # The CPU kernel runs the recurrence of every request on its state slot, in place (no loop over tokens or
-    # conditional in XLA; each head reads its group's B and C rows, which are not repeated per head).
-    read, write = ragged_batch.kernel_state_slots(
-        x.shape[0], state_indices, query_start_loc, seq_lens, distribution, read_state_indices
-    )
-    y, new_state = cpu_mamba2.mamba2(
-        xf,
-        delta,
-        decay,
-        b.astype(jnp.float32),
-        c.astype(jnp.float32),
-        D.astype(jnp.float32),
-        query_start_loc.astype(jnp.int32),
-        read,
-        write,
-        distribution.astype(jnp.int32),
-        ssm_state,
-    )
-    return y.astype(x.dtype), new_state
+  repeat = x.shape[1] // b.shape[1]
   bf = jnp.repeat(b.astype(jnp.float32), repeat, axis=1)  # [T, nh, N]
   cf = jnp.repeat(c.astype(jnp.float32), repeat, axis=1)
   skip = D.astype(jnp.float32)[:, None]  # [nh, 1]
@@ -162,3 +137,50 @@ def ragged_mamba2(
       read_state_indices,
   )
   return y.astype(x.dtype), new_state
+
+
+def mamba2_operands(  # pylint: disable=too-many-positional-arguments
+    x: jax.Array,
+    dt: jax.Array,
+    b: jax.Array,
+    c: jax.Array,
+    A_log: jax.Array,  # pylint: disable=invalid-name  # the checkpoint's parameter name
+    D: jax.Array,  # pylint: disable=invalid-name  # the checkpoint's parameter name
+    dt_bias: jax.Array,
+    ssm_state: jax.Array,
+    state_indices: jax.Array,
+    query_start_loc: jax.Array,
+    seq_lens: jax.Array,
+    distribution: jax.Array,
+    time_step_limit: tuple[float, float] = (0.0, 0.0),
+    read_state_indices: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Checks `ragged_mamba2`'s operands (same arguments) and returns the recurrence's float32 inputs.
+
+  A backend with its own recurrence calls it, then runs the recurrence on these (with B, C and D as given).
+
+  Returns:
+    `(x [T, nh, hd], delta [T, nh], decay [T, nh])` float32: `delta = clip(softplus(dt + dt_bias))`,
+    `decay = exp(-delta exp(A_log))`.
+
+  Raises:
+    ValueError / TypeError: as `ragged_mamba2`.
+  """
+  _validate(
+      x,
+      dt,
+      b,
+      c,
+      A_log,
+      D,
+      dt_bias,
+      ssm_state,
+      state_indices,
+      query_start_loc,
+      seq_lens,
+      distribution,
+      time_step_limit,
+      read_state_indices,
+  )
+  delta = _time_step(dt, dt_bias, time_step_limit)  # [T, nh]
+  return x.astype(jnp.float32), delta, jnp.exp(delta * -jnp.exp(A_log.astype(jnp.float32)))

@@ -13,16 +13,15 @@ the head dim and the keys, which XLA on CPU fuses with the gather instead of tra
 batched matmul. Items run vectorised, in batches that keep the gathered pages and scores of a batch under
 `_GATHER_BUDGET_BYTES`. Reading every page of a request and masking beyond the query position keeps all shapes
 static; the cost of a query is that of attending over `P * block_size` keys, fine for the models this backend
-runs on CPU. A TPU backend replaces this function as a whole (same signature and cache layout). In the engine's
-step programs on one CPU device, a float32 attention goes to the CPU kernel instead (`cpu_attention.py`), which
-reads only the keys each query sees.
+runs on CPU. Another backend replaces this function as a whole (same signature and cache layout), or keeps its
+K/V write (`write_kv`) and attends over the written cache its own way.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtext.kernels import cpu_attention, kv_cache_layout
+from maxtext.kernels import kv_cache_layout
 from maxtext.kernels import ragged_batch
 
 # Upper bound on the gathered pages and scores of the work items vectorised together (bytes); sets `items_per_batch`.
@@ -177,59 +176,30 @@ def ragged_paged_attention(
   _check_scalar(sliding_window, "sliding_window", integer=True)
   _check_scalar(soft_cap, "soft_cap", integer=False)
   _check_scalar(query_block_size, "query_block_size", integer=True)
-  if update_kv_cache and k is None:
-    raise ValueError("ragged_paged_attention: update_kv_cache=True needs k and v")
-  num_kv_heads = _validate(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks, num_kv_heads)
-  num_tokens = q.shape[0]
-  num_blocks, block_size = kv_cache.shape[:2]
-  num_seqs = kv_lens.shape[0]
-  pages_per_seq = page_indices.shape[0] // num_seqs
-  max_kv_len = pages_per_seq * block_size
+  new_cache, num_kv_heads = write_kv(
+      q,
+      k,
+      v,
+      kv_cache,
+      kv_lens,
+      page_indices,
+      cu_q_lens,
+      distribution,
+      sinks=sinks,
+      update_kv_cache=update_kv_cache,
+      num_kv_heads=num_kv_heads,
+  )
+  num_tokens, num_seqs = q.shape[0], kv_lens.shape[0]
   if query_block_size is None:
     query_block_size = default_query_block_size(num_tokens, num_seqs)
-
-  page_indices = page_indices.astype(jnp.int32)
   layout = ragged_batch.token_layout(num_tokens, cu_q_lens, distribution)
-  request_ids = layout.request_ids
-  kv_len = kv_lens.astype(jnp.int32)[request_ids]
-  positions = kv_len - layout.query_lens[request_ids] + layout.token_offsets  # [T] position of each new token
-  # Malformed metadata (a position outside the request's pages) is treated like padding: no write, no read.
-  active = layout.token_valid & (positions >= 0) & (positions < max_kv_len)
-
-  new_cache = kv_cache
-  if update_kv_cache:
-    rows = kv_cache_layout.merge_kv(k, v, kv_cache.dtype)  # [T, R, pk, dp]
-    page_slot = jnp.clip(positions // block_size, 0, pages_per_seq - 1)
-    pages = page_indices[request_ids * pages_per_seq + page_slot]
-    flat_rows = jnp.where(active, pages * block_size + positions % block_size, num_blocks * block_size)
-    flat_cache = kv_cache.reshape(num_blocks * block_size, *kv_cache.shape[2:])
-    new_cache = ragged_batch.set_rows(flat_cache, flat_rows, rows).reshape(kv_cache.shape)
-
-  if cpu_attention.applies(
-      q.dtype, new_cache.dtype, mask_value=mask_value, soft_cap=soft_cap, sliding_window=sliding_window
-  ):
-    # Engine steps on one CPU device: the kernel reads only the keys each token sees, in place.
-    out = cpu_attention.attend(
-        q,
-        new_cache,
-        kv_lens.astype(jnp.int32),
-        page_indices,
-        cu_q_lens.astype(jnp.int32),
-        distribution.astype(jnp.int32),
-        num_kv_heads=num_kv_heads,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        sinks=sinks,
-    )
-    return out, new_cache
   if mask_value is None:
     mask_value = float(jnp.finfo(jnp.float32).min)
   out = _attend(
       q,
       new_cache,
       kv_lens.astype(jnp.int32),
-      page_indices,
+      page_indices.astype(jnp.int32),
       cu_q_lens.astype(jnp.int32),
       layout,
       num_kv_heads=num_kv_heads,
@@ -241,6 +211,56 @@ def ragged_paged_attention(
       query_block_size=query_block_size,
   )
   return out, new_cache
+
+
+def write_kv(
+    q: jax.Array,
+    k: jax.Array | None,
+    v: jax.Array | None,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    distribution: jax.Array,
+    *,
+    sinks: jax.Array | None = None,
+    update_kv_cache: bool = True,
+    num_kv_heads: int | None = None,
+) -> tuple[jax.Array, int]:
+  """Checks `ragged_paged_attention`'s operands and writes the batch's new K/V into the paged cache.
+
+  The first half of `ragged_paged_attention` (same arguments and checks): a backend with its own attention over the
+  written cache calls it, then attends.
+
+  Returns:
+    `(new_kv_cache, Hkv)`; `new_kv_cache` is `kv_cache` itself when not updating.
+
+  Raises:
+    ValueError / TypeError: inconsistent shapes (all checks are static).
+  """
+  if update_kv_cache and k is None:
+    raise ValueError("ragged_paged_attention: update_kv_cache=True needs k and v")
+  num_kv_heads = _validate(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks, num_kv_heads)
+  if not update_kv_cache:
+    return kv_cache, num_kv_heads
+  num_tokens = q.shape[0]
+  num_blocks, block_size = kv_cache.shape[:2]
+  num_seqs = kv_lens.shape[0]
+  pages_per_seq = page_indices.shape[0] // num_seqs
+  max_kv_len = pages_per_seq * block_size
+  page_indices = page_indices.astype(jnp.int32)
+  layout = ragged_batch.token_layout(num_tokens, cu_q_lens, distribution)
+  request_ids = layout.request_ids
+  kv_len = kv_lens.astype(jnp.int32)[request_ids]
+  positions = kv_len - layout.query_lens[request_ids] + layout.token_offsets  # [T] position of each new token
+  # Malformed metadata (a position outside the request's pages) is treated like padding: no write.
+  active = layout.token_valid & (positions >= 0) & (positions < max_kv_len)
+  rows = kv_cache_layout.merge_kv(k, v, kv_cache.dtype)  # [T, R, pk, dp]
+  page_slot = jnp.clip(positions // block_size, 0, pages_per_seq - 1)
+  pages = page_indices[request_ids * pages_per_seq + page_slot]
+  flat_rows = jnp.where(active, pages * block_size + positions % block_size, num_blocks * block_size)
+  flat_cache = kv_cache.reshape(num_blocks * block_size, *kv_cache.shape[2:])
+  return ragged_batch.set_rows(flat_cache, flat_rows, rows).reshape(kv_cache.shape), num_kv_heads
 
 
 def _attend(

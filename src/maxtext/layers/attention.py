@@ -248,12 +248,12 @@ class Attention(Mixer):
     return self._finish_key(self.k(x), positions), self.v(x)
 
   def projections(
-      self, x: jax.Array, positions: jax.Array
+      self, x: jax.Array, positions: jax.Array, backend: KernelBackend | None = None
   ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
     """`query`, `key_value` (None, None for a KV-shared layer) and the output gate's logits (None without the gate),
-    their projections of `x` taken together (`project`: one kernel call where the small-batch kernel serves)."""
+    their projections of `x` taken together on `backend` (`project`; default: the reference backend)."""
     layers = (self.q,) + (() if self.k is None else (self.k, self.v)) + (() if self.gate is None else (self.gate,))
-    outputs = list(project(x, layers))
+    outputs = list(project(x, layers, backend))
     q = self._finish_query(outputs.pop(0), positions)
     k = v = None
     if self.k is not None:
@@ -280,12 +280,18 @@ class Attention(Mixer):
     """`[Hq]` fp32 sink logits, or None."""
     return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
-  def output(self, attn: jax.Array, x: jax.Array, gate_logits: jax.Array | None = None) -> jax.Array:
-    """Output gate (sigmoid of `gate(x)`, per head and dim; `gate_logits` when already computed) then `o`:
-    `[..., Hq, Dh]` -> `[..., D]`."""
+  def output(
+      self,
+      attn: jax.Array,
+      x: jax.Array,
+      gate_logits: jax.Array | None = None,
+      backend: KernelBackend | None = None,
+  ) -> jax.Array:
+    """Output gate (sigmoid of `gate(x)`, per head and dim; `gate_logits` when already computed) then `o`, on
+    `backend` (default: the reference backend): `[..., Hq, Dh]` -> `[..., D]`."""
     if self.gate is not None:
-      attn = attn * jax.nn.sigmoid(self.gate(x) if gate_logits is None else gate_logits)
-    return self.o(attn)
+      attn = attn * jax.nn.sigmoid(self.gate(x, backend) if gate_logits is None else gate_logits)
+    return self.o(attn, backend)
 
   def paged(
       self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, backend: KernelBackend
@@ -308,7 +314,7 @@ class Attention(Mixer):
     Returns:
       output `[T, D]` and the cache (the same object for KV-shared layers).
     """
-    q, k, v, gate_logits = self.projections(x, positions)
+    q, k, v, gate_logits = self.projections(x, positions, backend)
     if not self.is_kv_shared:
       if self.cache_kv_heads != self.num_kv_heads:
         replicas = self.cache_kv_heads // self.num_kv_heads
@@ -331,7 +337,7 @@ class Attention(Mixer):
     )
     if self.is_kv_shared:
       new_cache = kv_cache  # Readers hand back the object they were given: exactly one writer per slot.
-    return self.output(out.astype(self.dtype), x, gate_logits), new_cache
+    return self.output(out.astype(self.dtype), x, gate_logits, backend), new_cache
 
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
       self,

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtext.kernels import cpu_gemm
+from maxtext.kernels.backend import KernelBackend, default_backend
 from maxtext.layers.initializers import draw_key, fan_in_uniform
 
 
@@ -29,22 +29,20 @@ def embed_tokens(embedding: jax.Array, tokens: jax.Array, *, scale: float | None
   return x.astype(dtype)
 
 
-def attend(embedding: jax.Array, x: jax.Array, *, dtype: jnp.dtype) -> jax.Array:
-  """Tied output head: `x @ embedding^T`.
+def attend(embedding: jax.Array, x: jax.Array, *, dtype: jnp.dtype, backend: KernelBackend | None = None) -> jax.Array:
+  """Tied output head: `x @ embedding^T`, made by `backend` (default: the reference backend).
 
   Args:
     embedding: `[V, D]` table.
     x: `[..., D]` hidden states.
     dtype: compute dtype.
+    backend: the kernel backend.
 
   Returns:
     `[..., V]` logits in `dtype`.
   """
-  x, embedding = x.astype(dtype), embedding.astype(dtype)
-  rows = math.prod(x.shape[:-1])
-  if cpu_gemm.applies(rows, x.dtype, embedding.dtype):
-    return cpu_gemm.matmul_transposed(x.reshape(rows, x.shape[-1]), embedding).reshape(x.shape[:-1] + (-1,))
-  return jnp.einsum("...d,vd->...v", x, embedding)
+  backend = default_backend() if backend is None else backend
+  return backend.project_transposed(x, embedding, dtype=dtype)
 
 
 class Embed(nnx.Module):
@@ -71,6 +69,6 @@ class Embed(nnx.Module):
     """Embeds `[...]` ids -> `[..., D]`."""
     return embed_tokens(self.embedding[...], tokens, scale=self.scale, dtype=self.dtype)
 
-  def attend(self, x: jax.Array) -> jax.Array:
-    """Tied head: `[..., D]` -> `[..., V]`."""
-    return attend(self.embedding[...], x, dtype=self.dtype)
+  def attend(self, x: jax.Array, backend: KernelBackend | None = None) -> jax.Array:
+    """Tied head on `backend` (default: the reference backend): `[..., D]` -> `[..., V]`."""
+    return attend(self.embedding[...], x, dtype=self.dtype, backend=backend)

@@ -261,9 +261,12 @@ class GatedDeltaNet(Mixer):
         state_dtypes=(cfg.dtype, RECURRENT_STATE_DTYPE),
     )
 
-  def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Input projections: `[..., D]` -> qkv `[..., C]`, z `[..., nv, hv]`, b `[..., nv]`, a `[..., nv]`."""
-    qkv, z, b, a = project(x, (self.qkv, self.z, self.b, self.a))
+  def project(
+      self, x: jax.Array, backend: KernelBackend | None = None
+  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Input projections on `backend` (default: the reference backend): `[..., D]` -> qkv `[..., C]`,
+    z `[..., nv, hv]`, b `[..., nv]`, a `[..., nv]`."""
+    qkv, z, b, a = project(x, (self.qkv, self.z, self.b, self.a), backend)
     return qkv, z.reshape(*z.shape[:-1], self.nv, self.hv), b, a
 
   def split_qkv(self, conv_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -295,10 +298,10 @@ class GatedDeltaNet(Mixer):
     """`(g, beta)` `[..., nv]` float32 from the a/b projections."""
     return gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
 
-  def output(self, o: jax.Array, z: jax.Array) -> jax.Array:
+  def output(self, o: jax.Array, z: jax.Array, backend: KernelBackend | None = None) -> jax.Array:
     """Gated RMSNorm and out projection: o `[..., nv, hv]`, z `[..., nv, hv]` -> `[..., D]`."""
     y = gated_rms_norm(o.astype(self.dtype), z, self.norm.scale[...], eps=self.norm.eps)
-    return self.out(y.reshape(*y.shape[:-2], self.nv * self.hv))
+    return self.out(y.reshape(*y.shape[:-2], self.nv * self.hv), backend)
 
   def forward_with_state(
       self,
@@ -357,7 +360,7 @@ class GatedDeltaNet(Mixer):
     del positions  # The recurrence carries position; the runner passes positions to every layer.
     conv_state, recurrent_state = state
     read, write = recurrent_state_indices(md, self.mamba_block_size, conv_state.shape[0], "a linear_attention layer")
-    qkv, z, b, a = self.project(x)
+    qkv, z, b, a = self.project(x, backend)
     kernel_size = self.conv.kernel.shape[0]
     weight = jnp.transpose(self.conv.kernel[...])[:, None, :]  # [K, C] -> the runner's [C, 1, K]
     state, out = backend.gdn_attention(
@@ -381,7 +384,7 @@ class GatedDeltaNet(Mixer):
         kernel_size,
         read,
     )
-    return self.output(out.reshape(out.shape[0], self.nv, self.hv), z), state
+    return self.output(out.reshape(out.shape[0], self.nv, self.hv), z, backend), state
 
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
       self, x: jax.Array, positions: jax.Array | None = None, shared_kv: KV | None = None, *, chunked: bool = True

@@ -1,15 +1,15 @@
-"""Dense projections with multi-axis inputs and outputs (kernels stored [in..., out...], or in column panels for the
-CPU kernel: `use_panels`)."""
+"""Dense projections with multi-axis inputs and outputs (kernels stored [in..., out...], or in a layout of the kernel
+backend's own: `DenseGeneral.relayout`), made by the kernel backend (`KernelBackend.project`)."""
 
 import math
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from maxtext.kernels import cpu_gemm
+from maxtext.kernels.backend import KernelBackend, default_backend
 from maxtext.layers.initializers import draw_key, fan_in_uniform
 
 
@@ -22,9 +22,15 @@ def _as_shape(features: int | Sequence[int], name: str) -> tuple[int, ...]:
 
 
 def dense_general(
-    x: jax.Array, kernel: jax.Array, bias: jax.Array | None, *, num_in_axes: int, dtype: jnp.dtype
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None,
+    *,
+    num_in_axes: int,
+    dtype: jnp.dtype,
+    backend: KernelBackend | None = None,
 ) -> jax.Array:
-  """Contracts the trailing `num_in_axes` axes of `x` with the leading axes of `kernel`.
+  """Contracts the trailing `num_in_axes` axes of `x` with the leading axes of `kernel`, on `backend`.
 
   Args:
     x: input `[..., *in_shape]`.
@@ -32,73 +38,23 @@ def dense_general(
     bias: `[*out_shape]` or None.
     num_in_axes: number of contracted axes.
     dtype: compute dtype; `x`, `kernel` and `bias` are cast to it.
+    backend: the kernel backend making the product (default: the reference backend, XLA's dot).
 
   Returns:
     `[..., *out_shape]` in `dtype`.
   """
-  return dense_generals(x, (kernel,), (bias,), num_in_axes=num_in_axes, dtype=dtype)[0]
-
-
-def dense_generals(
-    x: jax.Array,
-    kernels: Sequence[jax.Array],
-    biases: Sequence[jax.Array | None],
-    *,
-    num_in_axes: int,
-    dtype: jnp.dtype,
-) -> tuple[jax.Array, ...]:
-  """`dense_general` of one `x` with each kernel and its bias (same arguments, one result per kernel).
-
-  Where the small-batch kernel serves the product (`cpu_gemm.applies`), several kernels run in one call
-  (`cpu_gemm.matmuls`, bit for bit the results of one call each); otherwise each is its own XLA dot.
-  """
-  out_shapes = [tuple(kernel.shape[num_in_axes:]) for kernel in kernels]
-  return _products(x, kernels, [False] * len(kernels), out_shapes, biases, num_in_axes=num_in_axes, dtype=dtype)
-
-
-def _products(
-    x: jax.Array,
-    kernels: Sequence[jax.Array],
-    panels: Sequence[bool],
-    out_shapes: Sequence[tuple[int, ...]],
-    biases: Sequence[jax.Array | None],
-    *,
-    num_in_axes: int,
-    dtype: jnp.dtype,
-) -> tuple[jax.Array, ...]:
-  """`dense_generals` where kernel i is `[*in, *out_shapes[i]]`, or in column panels `[N / PANEL, K, PANEL]` when
-  `panels[i]` (K, N the sizes of the in and out axes; `DenseGeneral.use_panels`).
-
-  The small-batch kernel takes every kernel at 1 to 8 rows, and kernels in panels at any number of rows, in one call;
-  the others are XLA dots (outside the kernel's reach, a kernel in panels is copied out of them for its dot).
-  """
-  x = x.astype(dtype)
-  kernels = [kernel.astype(dtype) for kernel in kernels]
-  batch_shape, in_shape = x.shape[: x.ndim - num_in_axes], x.shape[x.ndim - num_in_axes :]
-  rows, size_in = math.prod(batch_shape), math.prod(in_shape)
-  dtypes = (x.dtype, *(kernel.dtype for kernel in kernels))
-  small, any_rows = cpu_gemm.applies(rows, *dtypes), cpu_gemm.applies_panels(rows, *dtypes)
-  on_kernel = [i for i, in_panels in enumerate(panels) if small or (in_panels and any_rows)]
-  ys: list[jax.Array | None] = [None] * len(kernels)
-  if on_kernel:
-    flat_x = x.reshape(rows, size_in)
-    flat_kernels = [kernels[i] if panels[i] else kernels[i].reshape(size_in, math.prod(out_shapes[i])) for i in on_kernel]
-    flats = (cpu_gemm.matmul(flat_x, flat_kernels[0]),) if len(on_kernel) == 1 else cpu_gemm.matmuls(flat_x, flat_kernels)
-    for i, flat in zip(on_kernel, flats):
-      ys[i] = flat.reshape(batch_shape + out_shapes[i])
-  contract = ((tuple(range(x.ndim - num_in_axes, x.ndim)), tuple(range(num_in_axes))), ((), ()))
-  for i, kernel in enumerate(kernels):
-    if ys[i] is None:
-      kernel = cpu_gemm.from_panels(kernel).reshape(in_shape + out_shapes[i]) if panels[i] else kernel
-      ys[i] = jax.lax.dot_general(x, kernel, contract)
-  return tuple(y if bias is None else y + bias.astype(dtype) for y, bias in zip(ys, biases))
+  backend = default_backend() if backend is None else backend
+  out_shape = tuple(kernel.shape[num_in_axes:])
+  return backend.project(
+      x, [kernel], [bias], num_in_axes=num_in_axes, out_shapes=[out_shape], layouts=[None], dtype=dtype
+  )[0]
 
 
 class DenseGeneral(nnx.Module):
   """Linear map from `in_features` (one or more trailing axes) to `out_features` (one or more axes).
 
-  Parameters: `kernel [*in, *out]` (or, after `use_panels`, `[N / PANEL, K, PANEL]`) and, with `use_bias`,
-  `bias [*out]`.
+  Parameters: `kernel [*in, *out]` (or, after `relayout`, in a backend's own layout, named by `layout`) and, with
+  `use_bias`, `bias [*out]`.
   """
 
   def __init__(
@@ -117,53 +73,50 @@ class DenseGeneral(nnx.Module):
     fan_in = math.prod(self.in_shape)
     self.kernel = nnx.Param(fan_in_uniform(draw_key(rngs), self.in_shape + self.out_shape, weight_dtype, fan_in))
     self.bias = nnx.Param(jnp.zeros(self.out_shape, weight_dtype)) if use_bias else None
-    self.panels = False  # whether `kernel` is in column panels (`use_panels`)
+    self.layout: str | None = None  # the backend layout `kernel` is in (`relayout`); None: [*in, *out]
 
-  def __call__(self, x: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
-    """Applies the projection: `[..., *in] -> [..., *out]`."""
-    _check_input(x, self.in_shape)
-    bias = None if self.bias is None else self.bias[...]
-    return _products(
-        x, [self.kernel[...]], [self.panels], [self.out_shape], [bias], num_in_axes=len(self.in_shape), dtype=self.dtype
-    )[0]
+  def __call__(  # pylint: disable=arguments-differ  # nnx call hook
+      self, x: jax.Array, backend: KernelBackend | None = None
+  ) -> jax.Array:
+    """Applies the projection on `backend` (default: the reference backend): `[..., *in] -> [..., *out]`."""
+    return project(x, (self,), backend)[0]
 
-  def use_panels(self) -> bool:
-    """Stores `kernel` in column panels `[N / PANEL, K, PANEL]` (`cpu_gemm.to_panels` of the `[K, N]` matrix it
-    flattens to), which the CPU kernel reads faster in a decode step; the layer computes the same function.
-
-    Only a float32 kernel and compute dtype (panels serve only the float32 kernel) with N a multiple of
-    `cpu_gemm.PANEL`, at most `cpu_gemm.MAX_PANEL_COLUMNS`, changes; works on an abstract model
+  def relayout(self, layout: str, convert: Callable[[Any, jnp.dtype], Any]) -> int:
+    """Stores `kernel` as `convert(kernel as its [K, N] matrix, compute dtype)` returns, tagged `layout`, in place;
+    a backend's `prepare_params` calls it, and its `project` reads the layout. Works on an abstract model
     (`jax.ShapeDtypeStruct` parameters) too.
 
+    Args:
+      layout: the layout's name (the backend's).
+      convert: makes the stored kernel from the `[K, N]` matrix (a NumPy view of a loaded kernel, or a
+        `jax.ShapeDtypeStruct`), or returns None when the layout does not serve this kernel.
+
     Returns:
-      Whether `kernel` is in panels now.
+      The bytes of `kernel` now in `layout` (0 when `convert` declined).
+
+    Raises:
+      ValueError: the kernel is already in another layout.
     """
-    if self.panels:
-      return True
+    if self.layout is not None and self.layout != layout:
+      raise ValueError(
+          f"DenseGeneral: the kernel is in the {self.layout!r} layout already, cannot relay it as {layout!r}"
+      )
+    if self.layout is None:
+      kernel = self.kernel.get_value()
+      size_in, size_out = math.prod(self.in_shape), math.prod(self.out_shape)
+      if isinstance(kernel, jax.ShapeDtypeStruct):
+        flat = jax.ShapeDtypeStruct((size_in, size_out), kernel.dtype)
+      else:
+        # A loaded kernel is reshaped by NumPy (a view; `convert` copies it once): an eager XLA reshape compiles a
+        # program per shape, a few tenths of a second of a hybrid model's load.
+        flat = np.asarray(kernel).reshape(size_in, size_out)
+      stored = convert(flat, self.dtype)
+      if stored is None:
+        return 0
+      self.kernel.set_value(stored)
+      self.layout = layout
     kernel = self.kernel.get_value()
-    size_in, size_out = math.prod(self.in_shape), math.prod(self.out_shape)
-    fits = size_out % cpu_gemm.PANEL == 0 and size_out <= cpu_gemm.MAX_PANEL_COLUMNS
-    if not fits or kernel.dtype != jnp.float32 or self.dtype != jnp.float32:
-      return False
-    if isinstance(kernel, jax.ShapeDtypeStruct):
-      flat = jax.ShapeDtypeStruct((size_in, size_out), kernel.dtype)
-    else:
-      # A loaded kernel is reshaped by NumPy (a view; `to_panels` copies it once): an eager XLA reshape compiles a
-      # program per shape, a few tenths of a second of a hybrid model's load.
-      flat = np.asarray(kernel).reshape(size_in, size_out)
-    self.kernel.set_value(cpu_gemm.to_panels(flat))
-    self.panels = True
-    return True
-
-
-def use_panels(module: nnx.Module) -> int:
-  """`DenseGeneral.use_panels` on every dense layer inside `module`, in place; returns the bytes now in panels."""
-  total = 0
-  for _, layer in nnx.iter_modules(module):
-    if isinstance(layer, DenseGeneral) and layer.use_panels():
-      kernel = layer.kernel.get_value()
-      total += math.prod(kernel.shape) * jnp.dtype(kernel.dtype).itemsize
-  return total
+    return math.prod(kernel.shape) * jnp.dtype(kernel.dtype).itemsize
 
 
 def _check_input(x: jax.Array, in_shape: tuple[int, ...]) -> None:
@@ -171,13 +124,12 @@ def _check_input(x: jax.Array, in_shape: tuple[int, ...]) -> None:
     raise ValueError(f"DenseGeneral expects trailing input axes {in_shape}, got input shape {x.shape}")
 
 
-def project(x: jax.Array, layers: Sequence[DenseGeneral]) -> tuple[jax.Array, ...]:
-  """`layer(x)` for each of `layers`: the projections a block takes from one input (queries, keys and values; gate
-  and up).
+def project(x: jax.Array, layers: Sequence[DenseGeneral], backend: KernelBackend | None = None) -> tuple[jax.Array, ...]:
+  """`layer(x)` for each of `layers`, on `backend` (default: the reference backend): the projections a block takes
+  from one input (queries, keys and values; gate and up).
 
-  Layers that share their input axes and compute dtype go through `dense_generals` together: one kernel call where
-  the small-batch kernel serves the step, with results equal bit for bit to the layers called one by one; other
-  layers are called one by one.
+  Layers that share their input axes and compute dtype go to the backend's `project` together (a backend may make
+  them in one call, with results equal bit for bit to the layers called one by one); other layers one by one.
 
   Raises:
     ValueError: `layers` is empty, or `x`'s trailing axes are not a layer's input axes.
@@ -186,14 +138,15 @@ def project(x: jax.Array, layers: Sequence[DenseGeneral]) -> tuple[jax.Array, ..
     raise ValueError("project takes one or more layers, got none")
   first = layers[0]
   if any(l.in_shape != first.in_shape or l.dtype != first.dtype for l in layers):
-    return tuple(layer(x) for layer in layers)
+    return tuple(layer(x, backend) for layer in layers)
   _check_input(x, first.in_shape)
-  return _products(
+  backend = default_backend() if backend is None else backend
+  return backend.project(
       x,
       [l.kernel[...] for l in layers],
-      [l.panels for l in layers],
-      [l.out_shape for l in layers],
       [None if l.bias is None else l.bias[...] for l in layers],
       num_in_axes=len(first.in_shape),
+      out_shapes=[l.out_shape for l in layers],
+      layouts=[l.layout for l in layers],
       dtype=first.dtype,
   )

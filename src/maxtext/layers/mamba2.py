@@ -250,9 +250,10 @@ class Mamba2(Mixer):
         state_dtypes=(cfg.dtype, RECURRENT_STATE_DTYPE),
     )
 
-  def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The input projection: `[..., D]` -> z `[..., I]`, xBC `[..., C]`, dt `[..., nh]`."""
-    z, xbc, dt = project(x, (self.z, self.xbc, self.dt))
+  def project(self, x: jax.Array, backend: KernelBackend | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The input projection on `backend` (default: the reference backend): `[..., D]` -> z `[..., I]`,
+    xBC `[..., C]`, dt `[..., nh]`."""
+    z, xbc, dt = project(x, (self.z, self.xbc, self.dt), backend)
     return z, xbc, dt
 
   def split(self, conv_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -265,10 +266,10 @@ class Mamba2(Mixer):
     r = self.nh // self.g
     return x, jnp.repeat(b, r, axis=-2), jnp.repeat(c, r, axis=-2)
 
-  def output(self, y: jax.Array, z: jax.Array) -> jax.Array:
+  def output(self, y: jax.Array, z: jax.Array, backend: KernelBackend | None = None) -> jax.Array:
     """Gated group RMSNorm and out projection: y `[..., I]`, z `[..., I]` -> `[..., D]`."""
     normed = grouped_gated_rms_norm(y.astype(self.dtype), z, self.norm.scale[...], groups=self.g, eps=self.eps)
-    return self.out(normed)
+    return self.out(normed, backend)
 
   def forward_with_state(
       self,
@@ -331,7 +332,7 @@ class Mamba2(Mixer):
     del positions  # The recurrence carries position; the runner passes positions to every layer.
     conv_state, ssm_state = state
     read, write = recurrent_state_indices(md, self.mamba_block_size, conv_state.shape[0], "a mamba layer")
-    z, xbc, dt = self.project(x)
+    z, xbc, dt = self.project(x, backend)
     kernel_size = self.conv.kernel.shape[0]
     weight = jnp.transpose(self.conv.kernel[...])[:, None, :]  # [K, C] -> the runner's [C, 1, K]
     bias = None if self.conv.bias is None else self.conv.bias[...]
@@ -357,7 +358,7 @@ class Mamba2(Mixer):
         self.time_step_limit,
         read,
     )
-    return self.output(y, z), state
+    return self.output(y, z, backend), state
 
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
       self, x: jax.Array, positions: jax.Array | None = None, shared_kv: KV | None = None, *, chunked: bool = True

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtext.kernels.backend import KernelBackend
 from maxtext.layers.linears import DenseGeneral, project
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -49,11 +50,13 @@ class MLP(nnx.Module):
     self.up = DenseGeneral(emb_dim, mlp_dim, **kw)
     self.down = DenseGeneral(mlp_dim, emb_dim, **kw)
 
-  def __call__(self, x: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
-    """`[..., D] -> [..., D]`."""
-    return self.finish(*project(x, (self.gate, self.up)))
+  def __call__(  # pylint: disable=arguments-differ  # nnx call hook
+      self, x: jax.Array, backend: KernelBackend | None = None
+  ) -> jax.Array:
+    """`[..., D] -> [..., D]`, the products on `backend` (default: the reference backend)."""
+    return self.finish(*project(x, (self.gate, self.up), backend), backend)
 
-  def finish(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+  def finish(self, gate: jax.Array, up: jax.Array, backend: KernelBackend | None = None) -> jax.Array:
     """The MLP from its gate and up projections (`gate(x)`, `up(x)`, which a caller may project together with
-    other layers of the same input): `down(act(gate) * up)`."""
-    return self.down(get_activation(self.activation)(gate) * up)
+    other layers of the same input): `down(act(gate) * up)`, on `backend`."""
+    return self.down(get_activation(self.activation)(gate) * up, backend)

@@ -110,14 +110,15 @@ class MoE(nnx.Module):
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
       self, x: jax.Array, backend: KernelBackend | None = None
   ) -> jax.Array:
-    """`[..., D] -> [..., D]`; the routed experts run on `backend` (default: the reference backend)."""
+    """`[..., D] -> [..., D]`; the products and the routed experts run on `backend` (default: the reference
+    backend)."""
     backend = default_backend() if backend is None else backend
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
     layers = [self.router]
     if self.shared is not None:  # its gate, up and sigmoid gate read `flat` too: one `project` call with the router
       layers += [self.shared.gate, self.shared.up] + ([self.shared_gate] if self.shared_gate is not None else [])
-    router_logits, *shared_inputs = project(flat, layers)
+    router_logits, *shared_inputs = project(flat, layers, backend)
     weights, indices = route(router_logits, top_k=self.top_k, normalize=self.normalize_top_k)
     y = backend.moe_experts(
         flat,
@@ -132,7 +133,7 @@ class MoE(nnx.Module):
         **self._bias_kwargs(),
     )
     if self.shared is not None:
-      shared = self.shared.finish(*shared_inputs[:2])
+      shared = self.shared.finish(*shared_inputs[:2], backend)
       y = y + (shared if self.shared_gate is None else jax.nn.sigmoid(shared_inputs[2]) * shared)
     return y.reshape(*lead, y.shape[-1])
 

@@ -69,8 +69,8 @@ class DecoderLayer(nnx.Module):
     return getattr(self, self.mixer_name)
 
   def feed_forward(self, x: jax.Array, backend: KernelBackend | None = None) -> jax.Array:
-    """Dense MLP or MoE (its experts on `backend`): `[..., D] -> [..., D]`."""
-    return self.mlp(x) if self.mlp is not None else self.moe(x, backend)
+    """Dense MLP or MoE on `backend` (default: the reference backend): `[..., D] -> [..., D]`."""
+    return self.mlp(x, backend) if self.mlp is not None else self.moe(x, backend)
 
   def _scaled(self, y: jax.Array) -> jax.Array:
     """A branch output times `residual_multiplier` (Granite 4.0), before it joins the residual stream."""

@@ -127,13 +127,13 @@ class Transformer(nnx.Module):
       x, caches[slot] = layer.paged(x, positions, caches[slot], layer_metadata[i], backend)
     return self.final_norm(x), caches
 
-  def compute_logits(self, hidden: jax.Array) -> jax.Array:
-    """Output head (tied or untied), divided by `logits_scaling` (Granite), and the optional final tanh soft cap:
-    `[..., D] -> [..., V]`."""
+  def compute_logits(self, hidden: jax.Array, backend: KernelBackend | None = None) -> jax.Array:
+    """Output head (tied or untied) on `backend` (default: the reference backend), divided by `logits_scaling`
+    (Granite), and the optional final tanh soft cap: `[..., D] -> [..., V]`."""
     if self.lm_head is None:
-      logits = self.embedder.attend(hidden)
+      logits = self.embedder.attend(hidden, backend)
     else:
-      logits = self.lm_head(hidden)
+      logits = self.lm_head(hidden, backend)
     if self.logits_scaling != 1.0:
       logits = logits / jnp.asarray(self.logits_scaling, logits.dtype)
     if self.final_logits_soft_cap > 0:

@@ -3,7 +3,6 @@ that fail validation, and an interrupted `LLM.generate`. The reference for every
 alone in the same engine (nothing else queued), so only the runner's sharing of caches between requests is tested.
 """
 
-import functools
 import logging
 import threading
 import types
@@ -17,7 +16,9 @@ from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.inference import engine as engine_module
 from maxtext.inference.engine import LLMEngine, check_finite_rows, greedy_token_ids, sampling_logits_indices
-from maxtext.kernels import cpu_attention, cpu_gemm, huge_pages
+from maxtext.kernels.cpu import cpu_attention, cpu_gemm, huge_pages
+from maxtext.kernels.cpu.backend import PANELS
+from maxtext.configs.errors import ConfigError
 from maxtext.layers import linears
 from maxtext.models import Transformer
 from maxtext.testing import kv_cache_checks
@@ -243,15 +244,11 @@ def test_state_slot_zeroing_compiles_once_when_the_engine_starts():
   assert zero_rows._cache_size() == 1  # pylint: disable=protected-access
 
 
-def _recorded(program, calls, *args):
-  calls.append(args[2].shape)  # input_ids
-  return program(*args)
-
-
 @pytest.mark.parametrize("mesh", [{}, {"ici_tensor_parallelism": 2}])
-def test_small_batch_matmul_kernel_serves_single_cpu_device_decodes_with_the_same_tokens(monkeypatch, mesh):
-  """Decode steps of 1-8 requests take the kernel on one CPU device (not across devices) and keep the tokens; more
-  rows only for weights in column panels; the attention of every step program takes the attention kernel there."""
+def test_the_cpu_backend_is_the_default_on_one_cpu_device_and_keeps_the_tokens(monkeypatch, mesh):
+  """With no backend named, one CPU device runs `cpu` (not a mesh of several: `reference`): decode steps of 1-8
+  requests take the kernel and keep the reference's tokens; more rows only for weights in column panels; the
+  attention of every step program takes the attention kernel there."""
   traced, attended = [], []
   real = cpu_gemm.matmul
   monkeypatch.setattr(cpu_gemm, "matmul", lambda x, w: traced.append((x.shape, w.ndim)) or real(x, w))
@@ -263,13 +260,19 @@ def test_small_batch_matmul_kernel_serves_single_cpu_device_decodes_with_the_sam
   for on in (True, False):
     traced.clear()
     attended.clear()
-    engine = _engine("llama-tiny", cpu_small_matmul=on, min_token_bucket=1, **mesh)
+    engine = _engine("llama-tiny", kernel_backend="" if on else "reference", min_token_bucket=1, **mesh)
+    assert engine.backend.name == ("cpu" if on and not mesh else "reference")
     expected = on and not mesh and cpu_gemm.unsupported_reason() is None
-    assert engine.use_cpu_gemm is expected
     small_steps = []
-    # Which program each step runs: record the calls of the one compiled with the kernel's options.
-    small_program = engine._step_greedy_small  # pylint: disable=protected-access
-    engine._step_greedy_small = functools.partial(_recorded, small_program, small_steps)  # pylint: disable=protected-access
+    # Which programs the steps run: record the token counts of those compiled with the backend's options.
+    program = engine._program  # pylint: disable=protected-access
+
+    def recording(name, num_tokens, program=program, engine=engine, small_steps=small_steps):  # pylint: disable=dangerous-default-value  # binds this round's list
+      if engine.backend.compiler_options(num_tokens):
+        small_steps.append((num_tokens,))
+      return program(name, num_tokens)
+
+    engine._program = recording  # pylint: disable=protected-access
     ids = engine.add_requests([(p, params) for p in prompts])
     done = _run(engine)
     tokens[on] = [done[i].output_token_ids for i in ids]
@@ -283,6 +286,13 @@ def test_small_batch_matmul_kernel_serves_single_cpu_device_decodes_with_the_sam
     assert bool(small_steps) is expected
     assert not expected or ((1,) in small_steps and all(shape[0] <= 8 for shape in small_steps))
   assert tokens[True] == tokens[False]
+
+
+def test_kernel_backend_cpu_refuses_a_mesh_of_several_devices_and_the_retired_key_says_why():
+  with pytest.raises(ConfigError, match=r"kernel_backend=cpu runs on one CPU device .* the mesh has 2 devices"):
+    _engine("llama-tiny", kernel_backend="cpu", ici_tensor_parallelism=2)
+  with pytest.raises(ConfigError, match=r"'cpu_small_matmul' .* was removed: the CPU kernels are the kernel backend"):
+    _engine("llama-tiny", cpu_small_matmul=False)
 
 
 def _checkpointed_engine(tmp_path, name, **overrides):
@@ -330,18 +340,18 @@ def test_huge_page_weights_moves_the_weights_in_a_thread_and_keeps_the_tokens():
   prompt, params = _prompts(2, [6])[0], SamplingParams(max_tokens=4, temperature=0.0)
   tokens = {}
   for on in (True, False):
-    engine = _engine("qwen3-next-tiny", huge_page_weights=on)
-    assert engine._huge_pages is None and engine.huge_page_bytes is None  # pylint: disable=protected-access
+    engine = _engine("qwen3-next-tiny", huge_page_weights=on, kernel_backend="cpu")
+    assert engine._placing is None and engine.placed_bytes is None  # pylint: disable=protected-access
     tokens[on] = _alone(engine, prompt, params)
     if on:
-      engine._huge_pages.join()  # pylint: disable=protected-access
+      engine._placing.join()  # pylint: disable=protected-access
       weight_bytes = sum(size for _, size in huge_pages.buffer_ranges(engine._state_leaves))  # pylint: disable=protected-access
       if huge_pages.unsupported_reason() is None:
-        assert 0 < engine.huge_page_bytes <= weight_bytes
+        assert 0 < engine.placed_bytes <= weight_bytes
       else:
-        assert engine.huge_page_bytes == 0
+        assert engine.placed_bytes == 0
     else:
-      assert engine._huge_pages is None and engine.huge_page_bytes is None  # pylint: disable=protected-access
+      assert engine._placing is None and engine.placed_bytes is None  # pylint: disable=protected-access
   assert tokens[True] == tokens[False] and len(tokens[True]) == 4
 
 
@@ -351,11 +361,11 @@ def test_huge_page_weights_failure_only_logs(monkeypatch, caplog):
 
   monkeypatch.setattr(huge_pages, "collapse", broken)
   with caplog.at_level(logging.WARNING, logger="maxtext.inference.engine"):
-    engine = _engine("qwen3-next-tiny", huge_page_weights=True)
+    engine = _engine("qwen3-next-tiny", huge_page_weights=True, kernel_backend="cpu")
     _alone(engine, [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
-    engine._huge_pages.join()  # pylint: disable=protected-access
-  assert engine.huge_page_bytes == 0
-  assert "moving the weights onto huge pages failed (they stay where they are): no madvise for" in caplog.text
+    engine._placing.join()  # pylint: disable=protected-access
+  assert engine.placed_bytes == 0
+  assert "kernel_backend=cpu: placing the weights failed (they stay where they are): no madvise for" in caplog.text
 
 
 def _dense_layers(engine):
@@ -369,10 +379,10 @@ def test_cpu_weight_panels_put_loaded_kernels_in_panels_and_keep_the_tokens(tmp_
   tokens = {}
   for on in (True, False):
     engine = _checkpointed_engine(tmp_path / str(on), "qwen3-next-tiny", min_token_bucket=1, cpu_weight_panels=on)
-    expected = on and engine.use_cpu_gemm
-    in_panels = [layer for layer in _dense_layers(engine) if layer.panels]
+    expected = on and cpu_gemm.unsupported_reason() is None
+    in_panels = [layer for layer in _dense_layers(engine) if layer.layout == PANELS]
     assert bool(in_panels) is expected
-    assert engine.panel_bytes == sum(layer.kernel.get_value().nbytes for layer in in_panels)
+    assert engine.prepared_bytes == sum(layer.kernel.get_value().nbytes for layer in in_panels)
     engine._background_compile.join()  # pylint: disable=protected-access
     tokens[on] = _alone(engine, prompt, params)
     assert engine.stats.step_traces == 2  # the prompt's bucket, and the one-token step compiled in the thread
@@ -381,8 +391,8 @@ def test_cpu_weight_panels_put_loaded_kernels_in_panels_and_keep_the_tokens(tmp_
 
 def test_cpu_weight_panels_with_dummy_weights_and_on_xla_only():
   on = _engine("llama-tiny", cpu_weight_panels=True)
-  assert (on.panel_bytes > 0) is on.use_cpu_gemm
-  off = _engine("llama-tiny", cpu_weight_panels=True, cpu_small_matmul=False)
-  assert off.panel_bytes == 0 and not any(layer.panels for layer in _dense_layers(off))
+  assert (on.prepared_bytes > 0) is (cpu_gemm.unsupported_reason() is None)
+  off = _engine("llama-tiny", cpu_weight_panels=True, kernel_backend="reference")
+  assert off.prepared_bytes == 0 and not any(layer.layout for layer in _dense_layers(off))
   prompt, params = _prompts(4, [5])[0], SamplingParams(max_tokens=4, temperature=0.0)
   assert _alone(on, prompt, params) == _alone(off, prompt, params)

@@ -7,13 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import maxtext
 from maxtext.configs import ConfigError
 from maxtext.inference import LLM, SamplingParams
 from maxtext.kernels import backend as kb
 
-# The modules that implement runner ops; only the backend may import them.
+CPU_PACKAGE = "maxtext.kernels.cpu."
+# The modules that implement runner ops; only the backends may import them.
 OP_MODULES = {
     "maxtext.kernels.ragged_paged_attention",
     "maxtext.kernels.ragged_conv1d",
@@ -34,15 +36,32 @@ def _imports(path):
       yield from (alias.name for alias in node.names)
 
 
-def test_only_the_backend_imports_the_op_modules():
+def _package_modules():
   root = pathlib.Path(maxtext.__file__).parent
-  offenders = []
   for path in sorted(root.rglob("*.py")):
-    module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
-    if module in OP_MODULES or module == "maxtext.kernels.backend":
+    yield ".".join(path.relative_to(root.parent).with_suffix("").parts), path
+
+
+def test_only_the_backends_import_the_op_modules():
+  offenders = []
+  for module, path in _package_modules():
+    if module in OP_MODULES or module == "maxtext.kernels.backend" or module.startswith(CPU_PACKAGE):
       continue
     offenders += [f"{module} imports {name}" for name in set(_imports(path)) & OP_MODULES]
   assert not offenders
+
+
+def test_only_the_cpu_backend_reaches_the_cpu_kernels():
+  """The C++ kernels, their panels and huge pages are the `cpu` backend's: no other module imports them (the
+  registry builds the backend by name)."""
+  offenders = []
+  for module, path in _package_modules():
+    if not module.startswith(CPU_PACKAGE):
+      offenders += [f"{module} imports {name}" for name in _imports(path) if name.startswith(CPU_PACKAGE)]
+  assert offenders == [
+      "maxtext.kernels.backend imports maxtext.kernels.cpu.backend",
+      "maxtext.kernels.backend imports maxtext.kernels.cpu.backend.CpuBackend",
+  ]
 
 
 class RecordingBackend(kb.ReferenceBackend):
@@ -110,12 +129,32 @@ def test_get_backend_names_the_key_and_keeps_the_mesh():
   assert isinstance(backend, kb.ReferenceBackend) and backend.mesh is mesh
   with pytest.raises(ConfigError, match=r"kernel_backend='pallas': must be one of .*reference"):
     kb.get_backend("pallas")
-  with pytest.raises(ValueError, match="'reference' is the built-in backend"):
+  with pytest.raises(ValueError, match="'reference' is a built-in backend"):
     kb.register_backend("reference", kb.ReferenceBackend)
+  with pytest.raises(ValueError, match="'cpu' is a built-in backend"):
+    kb.register_backend("cpu", kb.ReferenceBackend)
+  assert {"reference", "cpu"} <= set(kb.backend_names())
+  assert kb.get_backend("", mesh).name == "reference"  # vLLM's default: never the C++ kernels unless asked
   with pytest.raises(ValueError, match="a kernel backend name must be a non-empty string"):
     kb.register_backend(" ", kb.ReferenceBackend)
   with pytest.raises(TypeError, match="abstract"):
     kb.KernelBackend()  # pylint: disable=abstract-class-instantiated  # the point of the test
+
+
+def test_the_device_default_is_cpu_on_one_cpu_device_only():
+  one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+  two = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
+  assert kb.device_default_name(None) == kb.device_default_name(one) == "cpu"
+  assert kb.device_default_name(two) == "reference"
+  assert kb.get_backend("cpu", one).name == "cpu"
+  with pytest.raises(ConfigError, match="kernel_backend=cpu runs on one CPU device .* the mesh has 2 devices"):
+    kb.get_backend("cpu", two)
+
+
+def test_the_reference_hooks_keep_the_parameters_and_xla_s_defaults():
+  backend = kb.default_backend()
+  assert not backend.compiler_options(1) and backend.place_params([jnp.zeros(4)]) is None
+  assert backend.prepare_params(nnx.Module()) == 0
 
 
 def test_reference_backend_rejects_what_it_does_not_implement():

@@ -18,8 +18,9 @@ from ragged_paged_attention_test import (  # pylint: disable=import-error
     _reference,
 )
 
-from maxtext.kernels import cpu_attention, cpu_gemm
+from maxtext.kernels.cpu import cpu_attention, cpu_gemm
 from maxtext.kernels import ragged_paged_attention as rpa
+from maxtext.kernels.cpu.backend import CpuBackend
 
 pytestmark = pytest.mark.skipif(
     cpu_gemm.unsupported_reason() is not None, reason="the kernel needs x86-64 with AVX2 and FMA"
@@ -37,13 +38,24 @@ def _args(b):
 
 
 def _run(b, kernel=True, **kwargs):
-  """`ragged_paged_attention` jitted inside `cpu_gemm.enabled(kernel)`; also whether its program calls the kernel."""
+  """The paged attention jitted on the cpu backend (`kernel`), else the reference op; also whether its program calls
+  the kernel."""
   if kwargs.get("sinks") is not None:
     kwargs["sinks"] = jnp.asarray(kwargs["sinks"], jnp.float32)
+  backend = CpuBackend()
 
   def fn(*args):
-    with cpu_gemm.enabled(kernel):
+    if not kernel:
       return rpa.ragged_paged_attention(*args, **kwargs)
+    return backend.ragged_paged_attention(
+        *args,
+        kwargs.get("sinks"),
+        kwargs["sm_scale"],
+        kwargs.get("sliding_window"),
+        update_kv_cache=kwargs.get("update_kv_cache", True),
+        attn_logits_soft_cap=kwargs.get("soft_cap"),
+        num_kv_heads=kwargs.get("num_kv_heads"),
+    )
 
   args = _args(b)
   called = "maxtext_paged_attention" in jax.jit(fn).lower(*args).as_text()
@@ -129,29 +141,34 @@ def test_page_ids_outside_the_cache_are_clamped_like_the_jax_gather():
 
 
 @pytest.mark.parametrize(
-    "on, q_dtype, cache_dtype, options, expected",
+    "q_dtype, cache_dtype, options, expected",
     [
-        (True, jnp.float32, jnp.float32, {}, True),
-        (False, jnp.float32, jnp.float32, {}, False),  # outside the engine's step programs
-        (True, jnp.bfloat16, jnp.float32, {}, False),
-        (True, jnp.float32, jnp.bfloat16, {}, False),  # a packed cache stays on the JAX path
-        (True, jnp.float32, jnp.float32, {"mask_value": -1e4}, False),  # masked keys would weigh exp(-1e4 - max)
-        (True, jnp.float32, jnp.float32, {"soft_cap": 0.0}, False),
-        (True, jnp.float32, jnp.float32, {"sliding_window": 0}, False),
-        (True, jnp.float32, jnp.float32, {"soft_cap": 30.0, "sliding_window": 512}, True),
+        (jnp.float32, jnp.float32, {}, True),
+        (jnp.bfloat16, jnp.float32, {}, False),
+        (jnp.float32, jnp.bfloat16, {}, False),  # a packed cache stays on the JAX path
+        (jnp.float32, jnp.float32, {"mask_value": -1e4}, False),  # masked keys would weigh exp(-1e4 - max)
+        (jnp.float32, jnp.float32, {"soft_cap": 0.0}, False),
+        (jnp.float32, jnp.float32, {"sliding_window": 0}, False),
+        (jnp.float32, jnp.float32, {"soft_cap": 30.0, "sliding_window": 512}, True),
     ],
 )
-def test_applies(on, q_dtype, cache_dtype, options, expected):
+def test_applies(q_dtype, cache_dtype, options, expected):
   kwargs = {"mask_value": None, "soft_cap": None, "sliding_window": None, **options}
-  with cpu_gemm.enabled(on):
-    assert cpu_attention.applies(q_dtype, cache_dtype, **kwargs) is expected
+  assert cpu_attention.applies(q_dtype, cache_dtype, **kwargs) is expected
 
 
-def test_a_custom_mask_value_keeps_the_jax_attention():
+def test_the_reference_op_never_calls_the_kernel():
   b = _make_batch(5, MIXED)
-  out, new_cache, called = _run(b, sm_scale=0.3, mask_value=-1e30)
+  out, new_cache, called = _run(b, kernel=False, sm_scale=0.3, mask_value=-1e30)
   assert not called
   _check(b, out, new_cache, sm_scale=0.3)
+
+
+def test_the_backend_keeps_the_reference_attention_for_a_bfloat16_query():
+  b = _make_batch(5, MIXED)
+  args = [a.astype(jnp.bfloat16) if i == 0 else a for i, a in enumerate(_args(b))]
+  text = jax.jit(lambda *a: CpuBackend().ragged_paged_attention(*a, None, 0.3)).lower(*args).as_text()
+  assert "maxtext_paged_attention" not in text
 
 
 def _attend_args():

@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtext.kernels import cpu_gemm
+from maxtext.kernels.cpu import cpu_gemm
+from maxtext.kernels.cpu.backend import CpuBackend
 from maxtext.kernels.backend import default_backend
 from maxtext.kernels.experts import experts_dense
-from maxtext.kernels.moe import experts_cpu_rows, experts_ragged, experts_tiled, sort_by_expert, tile_rows
+from maxtext.kernels.cpu.cpu_moe import experts_cpu_rows
+from maxtext.kernels.moe import experts_ragged, experts_tiled, sort_by_expert, tile_rows
 from maxtext.layers.mlp import clamped_swiglu
 
 needs_cpu_kernel = pytest.mark.skipif(
@@ -140,7 +142,7 @@ def _clamped_swiglu64(gate, up, alpha=1.702, limit=0.8):
 def test_every_method_takes_expert_biases_and_a_glu(method, cpu_kernel):
   """gpt-oss experts: biased gate/up/down and the clamped SwiGLU, in every backend method, against float64.
 
-  Inside `cpu_gemm.enabled()` the backend runs the CPU kernel's rows whatever the method (the engine's steps).
+  The cpu backend runs the CPU kernel's rows whatever the method.
   """
   x, weights, indices, wg, wu, wd = _case(9, 5, 2, seed=3)
   rng = np.random.default_rng(4)
@@ -149,12 +151,13 @@ def test_every_method_takes_expert_biases_and_a_glu(method, cpu_kernel):
   glu = functools.partial(clamped_swiglu, alpha=1.702, limit=0.8)
   args = [jnp.asarray(a) for a in (x, weights, indices, wg, wu, wd, bg, bu, bd)]
 
+  backend = CpuBackend() if cpu_kernel else default_backend()
+
   def run(*args):
-    with cpu_gemm.enabled(cpu_kernel):
-      return default_backend().moe_experts(
-          *args[:6], activation=jax.nn.silu, dtype=jnp.float32, method=method, b_gate=args[6], b_up=args[7],
-          b_down=args[8], glu=glu,
-      )  # fmt: skip
+    return backend.moe_experts(
+        *args[:6], activation=jax.nn.silu, dtype=jnp.float32, method=method, b_gate=args[6], b_up=args[7],
+        b_down=args[8], glu=glu,
+    )  # fmt: skip
 
   assert ("ffi_call" in str(jax.make_jaxpr(run)(*args))) == cpu_kernel
   out = jax.jit(run)(*args)
@@ -179,7 +182,7 @@ def test_bias_shapes_are_checked():
 
 @needs_cpu_kernel
 def test_the_cpu_kernel_serves_float32_batches_up_to_its_row_limit_only():
-  """`applies_experts`: float32, 1 to MAX_EXPERT_ROWS (token, choice) rows, inside `enabled()` only."""
+  """`applies_experts`: float32, 1 to MAX_EXPERT_ROWS (token, choice) rows, on the cpu backend only."""
   assert cpu_gemm.load()
   limit = cpu_gemm.MAX_EXPERT_ROWS
 
@@ -187,9 +190,10 @@ def test_the_cpu_kernel_serves_float32_batches_up_to_its_row_limit_only():
     x, weights, indices, wg, wu, wd = _case(num_tokens, 4, 2)
     cast = [jnp.asarray(a, dtype) for a in (x, wg, wu, wd)]
 
+    backend = CpuBackend() if on else default_backend()
+
     def run(x, wg, wu, wd):
-      with cpu_gemm.enabled(on):
-        return default_backend().moe_experts(x, weights, indices, wg, wu, wd, activation=jax.nn.silu, dtype=dtype)
+      return backend.moe_experts(x, weights, indices, wg, wu, wd, activation=jax.nn.silu, dtype=dtype)
 
     return "ffi_call" in str(jax.make_jaxpr(run)(*cast))
 

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtext.kernels import cpu_gemm
+from maxtext.kernels.cpu import cpu_gemm
+from maxtext.kernels.cpu.backend import CpuBackend
 from maxtext.kernels import ragged_conv1d as rc
 
 # (tokens already seen, new tokens, state slot): decodes, a decode with fewer than K - 1 earlier tokens, a new
@@ -145,15 +146,17 @@ def test_decode_only_batch():
 
 @pytest.mark.parametrize("num_tokens", [1, 4, 8, 9])
 def test_decode_programs_sum_the_taps_without_a_dot(num_tokens):
-  """Inside `cpu_gemm.enabled()` a step of up to 8 tokens sums the taps in one fused product (no dot); more tokens,
-  and any step outside it, contract them with a dot. Both match the reference."""
+  """On the cpu backend a step of up to 8 tokens (compiled without YNNPACK's fusions) sums the taps in one fused
+  product (no dot); more tokens, and the reference op, contract them with a dot. Both match the reference."""
   requests = ((4, 1, 2), (9, 1, 4), (2, 1, 6), (0, 1, 3))[: min(num_tokens, 4)]
   b = _make_batch(7, requests, num_tokens=num_tokens, max_reqs=4)
-  for on in (True, False):
-    with cpu_gemm.enabled(on):  # a new function per setting: JAX reuses a function's traces
-      jaxpr = str(jax.make_jaxpr(functools.partial(rc.ragged_conv1d))(*b.args()))
-      y, new_state = jax.jit(functools.partial(rc.ragged_conv1d))(*b.args())
-    assert ("dot_general" in jaxpr) is (not on or num_tokens > cpu_gemm.MAX_ROWS)
+  backend = CpuBackend()
+  for conv in (backend.conv1d, rc.ragged_conv1d):
+    jaxpr = str(jax.make_jaxpr(conv)(*b.args()))
+    y, new_state = jax.jit(conv)(*b.args())
+    sums = conv is not rc.ragged_conv1d and bool(backend.compiler_options(num_tokens))
+    assert ("dot_general" in jaxpr) is not sums
+    assert not sums or num_tokens <= cpu_gemm.MAX_ROWS
     ref_y, ref_state = _reference(b)
     valid = b.query_start_loc[b.distribution[2]]
     np.testing.assert_allclose(np.asarray(y, np.float64)[:valid], ref_y[:valid], atol=1e-5, rtol=1e-5)

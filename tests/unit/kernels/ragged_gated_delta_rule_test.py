@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtext.kernels import cpu_gemm, ragged_conv1d
+from maxtext.kernels import ragged_conv1d
+from maxtext.kernels.cpu import cpu_gemm
+from maxtext.kernels.cpu.backend import CpuBackend
 from maxtext.kernels import ragged_gated_delta_rule as gdr
 
 # (tokens already seen, new tokens, state slot): decodes, a new prefill whose slot holds a stale state, a
@@ -258,13 +260,15 @@ def test_decodes_with_split_read_and_write_slots(num_tokens):
     ],
 )
 def test_the_cpu_kernel_runs_the_recurrence_as_the_reference(requests, num_tokens, max_reqs, read, nk):
-  """Inside `cpu_gemm.enabled()` the recurrence runs on the kernel (`cpu_gated_delta`): no loop over tokens and no
-  conditional in XLA, the reference's outputs and states, and slots no request writes left bit for bit."""
+  """On the cpu backend the recurrence runs on the kernel (`cpu_gated_delta`): no loop over tokens and no conditional
+  in XLA, the reference's outputs and states, and slots no request writes left bit for bit; the reference op never
+  calls it."""
   g = _make_batch(9, requests, nk=nk, num_tokens=num_tokens, max_reqs=max_reqs)
   args = g.args() + (() if read is None else (jnp.asarray(np.array(read, np.int32)),))
-  with cpu_gemm.enabled():  # a new function: JAX reuses a function's traces
-    jaxpr = str(jax.make_jaxpr(functools.partial(gdr.ragged_gated_delta_rule))(*args))
-    out, new_state = jax.jit(functools.partial(gdr.ragged_gated_delta_rule))(*args)
+  recurrence = CpuBackend().gated_delta_rule
+  jaxpr = str(jax.make_jaxpr(recurrence)(*args))
+  out, new_state = jax.jit(recurrence)(*args)
+  assert "maxtext_gated_delta" not in str(jax.make_jaxpr(gdr.ragged_gated_delta_rule)(*args))
   assert "maxtext_gated_delta" in jaxpr and "scan" not in jaxpr and "cond" not in jaxpr
   ref_out, ref_state = _reference(g, None if read is None else np.array(read, np.int32))
   valid = g.query_start_loc[g.distribution[2]]

@@ -1,13 +1,15 @@
 """ragged_mamba2 on the CPU kernel (`cpu_mamba2`) against its XLA scan and a float64 NumPy reference written here."""
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtext.kernels import cpu_gemm
+from maxtext.kernels.cpu import cpu_gemm
+from maxtext.kernels.cpu.backend import CpuBackend
 from maxtext.kernels.ragged_mamba2 import ragged_mamba2
 
 pytestmark = pytest.mark.skipif(
@@ -72,13 +74,20 @@ def _reference(args):
     ],
 )
 def test_the_kernel_runs_the_recurrence_as_the_scan_and_the_reference(qsl, seq_lens, slots, real, num_tokens, read):
-  """Inside `cpu_gemm.enabled()` the recurrence runs on the kernel: no loop over tokens and no conditional in XLA,
-  the XLA scan's and the float64 reference's outputs and states, and slots no request writes left bit for bit."""
+  """On the cpu backend the recurrence runs on the kernel: no loop over tokens and no conditional in XLA, the XLA
+  scan's and the float64 reference's outputs and states, and slots no request writes left bit for bit."""
   args = _batch(len(qsl) + num_tokens, qsl, seq_lens, slots, real, num_tokens, read)
   op = functools.partial(ragged_mamba2, time_step_limit=LIMIT)
-  with cpu_gemm.enabled():  # a new function: JAX reuses a function's traces
-    jaxpr = str(jax.make_jaxpr(functools.partial(op))(**args))
-    y, state = jax.jit(functools.partial(op))(**args)
+  names = list(inspect.signature(ragged_mamba2).parameters)[:12]  # x ... distribution
+  backend = CpuBackend()
+
+  def on_cpu(*operands):
+    return backend.mamba2_scan(*operands, LIMIT, args.get("read_state_indices"))
+
+  operands = [args[name] for name in names]
+  jaxpr = str(jax.make_jaxpr(on_cpu)(*operands))
+  y, state = jax.jit(on_cpu)(*operands)
+  assert "maxtext_mamba2" not in str(jax.make_jaxpr(op)(**args))
   assert "maxtext_mamba2" in jaxpr and "scan" not in jaxpr and "cond" not in jaxpr
   scan_y, scan_state = jax.jit(op)(**args)
   ref_y, ref_state = _reference(args)

@@ -11,7 +11,8 @@ from flax import nnx
 
 from maxtext.layers.mlp import get_activation
 from maxtext.kernels.experts import experts_dense, experts_gather
-from maxtext.kernels import cpu_gemm
+from maxtext.kernels.cpu import cpu_gemm
+from maxtext.kernels.cpu.backend import CpuBackend
 from maxtext.layers import moe
 from maxtext.layers.moe import MoE, route
 from maxtext.testing.reference import module_params
@@ -105,14 +106,15 @@ def test_shared_expert_projections_take_one_kernel_call(monkeypatch, gate_shared
   assert cpu_gemm.load()
   layer = MoE(16, 6, 2, 12, shared_mlp_dim=10, gate_shared=gate_shared, rngs=nnx.Rngs(4))
   x = jnp.asarray(np.random.default_rng(6).normal(size=(3, 16)), jnp.float32)
-  with cpu_gemm.enabled():
-    calls = collections.Counter(re.findall(r"custom_call @(\w+)", str(jax.jit(layer).lower(x).as_text())))
-    together = np.asarray(layer(x))
-    monkeypatch.setattr(moe, "project", lambda x, layers: tuple(layer(x) for layer in layers))
-    monkeypatch.setattr(
-        cpu_gemm, "expert_matmuls", lambda x, ws, experts: tuple(cpu_gemm.expert_matmul(x, w, experts) for w in ws)
-    )
-    alone = np.asarray(layer(x))
+  backend = CpuBackend()
+  program = jax.jit(lambda x: layer(x, backend)).lower(x).as_text()
+  calls = collections.Counter(re.findall(r"custom_call @(\w+)", program))
+  together = np.asarray(layer(x, backend))
+  monkeypatch.setattr(moe, "project", lambda x, layers, backend: tuple(layer(x, backend) for layer in layers))
+  monkeypatch.setattr(
+      cpu_gemm, "expert_matmuls", lambda x, ws, experts: tuple(cpu_gemm.expert_matmul(x, w, experts) for w in ws)
+  )
+  alone = np.asarray(layer(x, backend))
   # The shared expert's down; the router and the shared expert's projections in one call; the routed experts' gate
   # and up in one call, their down in another.
   assert calls == {

@@ -22,25 +22,41 @@ def _load_benchmark():
 @pytest.mark.slow
 def test_quick_run_reports_every_model_peer_and_batch_with_transformers_tokens(capsys):
   benchmark = _load_benchmark()
-  assert benchmark.main(["--quick", "--json", "--peers", "maxtext", "transformers"]) == 0
+  src = str(_SCRIPT.parents[1] / "src")  # this tree as its own baseline: the same tokens
+  assert benchmark.main(["--quick", "--json", "--peers", "maxtext", "transformers", "--baseline-src", src]) == 0
   report = json.loads(capsys.readouterr().out)
-  assert report["settings"] == {"batches": [1, 2], "prompt_len": 8, "new_tokens": 4, "repeats": 1, "paired_rounds": 2}
+  assert report["settings"] == {
+      "baseline_src": src,
+      "batches": [1, 2],
+      "prompt_len": 8,
+      "new_tokens": 4,
+      "repeats": 1,
+      "paired_rounds": 2,
+  }
   probes = report["bandwidth"]["probes_gb_per_s"]
   assert len(probes) == 4 and min(probes) > 0  # before the first checkpoint and after each of the three
   assert report["bandwidth"]["gb_per_s"] == max(probes)
   rows = report["results"]
+  baseline = benchmark.BASELINE
+  # The baseline runs before this tree for the first checkpoint, after it for the second, and so on.
+  orders = {"llama": (baseline, "maxtext"), "gemma3": ("maxtext", baseline), "qwen3_next": (baseline, "maxtext")}
   assert [(r["model"], r["peer"], r["batch"]) for r in rows] == [
       (model, peer, batch)
       for model in ("llama", "gemma3", "qwen3_next")
-      for peer in ("maxtext", "transformers")
+      for peer in orders[model] + ("transformers",)
       for batch in (1, 2)
   ]
   for row in rows:
+    if row["peer"] == baseline:
+      assert row["tokens_per_s"] > 0 and row["same_tokens_as_transformers"] == 1.0
+      assert "ratio_to_baseline" not in row and "ratio_to_best_peer" not in row
+      continue
     assert row["tokens_per_s"] > 0 and row["first_call_s"] > 0 and 0 < row["roofline_share"]
     # Same seeded checkpoint and prompts, greedy: this package must pick transformers' tokens.
     assert row["same_tokens_as_transformers"] == 1.0, row
     if row["peer"] == "maxtext":
       assert row["recompilations"] == 0 and row["ratio_to_best_peer"] > 0
+      assert row["ratio_to_baseline"] > 0 and row["same_tokens_as_baseline"] == 1.0
       # The warm start: a second process over the first one's compilation cache, the same tokens.
       assert row["warm_error"] is None and row["warm_load_s"] > 0 and row["warm_first_call_s"] > 0
       assert row["warm_same_tokens"] == 1.0
@@ -126,6 +142,9 @@ def test_table_marks_peers_that_did_not_run():
       "step_rf",
       "pair_rf",
       "same",
+      "vs",
+      "base",
+      "=base",
   ]
   assert lines[2].split() == ["llama", "maxtext", "1", "50.0", "0.50", "1.00", "2.00", "0.50", "0.75", "0"] + [
       "0.25",
@@ -133,6 +152,8 @@ def test_table_marks_peers_that_did_not_run():
       "0.50",
       "0.75",
       "1.00",
+      "-",
+      "-",
   ]
   assert lines[3].split()[:9] == ["llama", "maxtext", "8", "50.0", "-", "1.00", "2.00", "-", "-"]
   assert lines[4].split() == ["llama", "maxtext", "warm", "start", "not", "run:", "exit", "status", "1:", "no", "cache"]
@@ -162,6 +183,46 @@ def test_decode_step_timer_keeps_only_steps_that_sample_every_scheduled_token():
   for _ in range(4):
     assert not engine.step()
   assert len(times) == 2 and all(t >= 0 for t in times)
+
+
+def _peer(tokens_per_s, tokens):
+  """A worker's result for batch 1: its tokens/s and tokens."""
+  stats = {"first_call_s": 2.0, "generate_s": 0.5, "tokens_per_s": tokens_per_s, "tokens": tokens}
+  return {"load_s": 1.0, "batches": {"1": stats}}
+
+
+def test_the_baseline_tree_is_compared_with_this_one_and_is_no_peer_to_beat():
+  """`--baseline-src`'s rows: this tree's tokens/s over the baseline's and whether their tokens agree; the baseline
+  does not count as the best other peer."""
+  benchmark = _load_benchmark()
+  checkpoint = {"tensor_bytes": {"model.embed_tokens.weight": 4000, "model.layers.0.mlp.up_proj.weight": 1000}}
+  hf_config = {"num_hidden_layers": 1, "tie_word_embeddings": False}
+  peers = {
+      benchmark.BASELINE: _peer(40.0, [[1, 2], [3, 4]]),
+      "maxtext": _peer(50.0, [[1, 2], [3, 5]]),
+      "transformers": _peer(100.0, [[1, 2], [3, 4]]),
+  }
+  rows = {row["peer"]: row for row in benchmark.summarize("llama", checkpoint, hf_config, peers, gb_per_s=10.0)}
+  assert rows["maxtext"]["ratio_to_baseline"] == pytest.approx(1.25)
+  assert rows["maxtext"]["same_tokens_as_baseline"] == 0.5
+  assert rows["maxtext"]["ratio_to_best_peer"] == pytest.approx(0.5)  # transformers', not the baseline's
+  assert "ratio_to_baseline" not in rows[benchmark.BASELINE] and "ratio_to_best_peer" not in rows[benchmark.BASELINE]
+  line = benchmark.format_table([rows["maxtext"]]).splitlines()[2]
+  assert line.split()[-2:] == ["1.25", "0.50"]
+
+
+def test_a_baseline_src_without_the_package_is_refused(tmp_path, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    _load_benchmark().main(["--baseline-src", str(tmp_path)])
+  assert exit_info.value.code == 2
+  assert f"--baseline-src {tmp_path}: must be a src/ folder holding the maxtext package" in capsys.readouterr().err
+
+
+def test_a_worker_runs_with_the_given_source_tree_first_on_its_path(tmp_path):
+  env = _load_benchmark()._env(str(tmp_path))  # pylint: disable=protected-access
+  assert env["PYTHONPATH"].split(":")[0] == str(tmp_path)
+  default = _load_benchmark()._env()  # pylint: disable=protected-access
+  assert default["PYTHONPATH"].split(":")[0] == str(_SCRIPT.parents[1] / "src")
 
 
 def test_vllm_is_reported_missing_from_an_interpreter_without_it():

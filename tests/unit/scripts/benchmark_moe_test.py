@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtext.kernels import cpu_gemm
+from maxtext.kernels.cpu import cpu_gemm
 
 _SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "benchmark_moe.py"
 

@@ -143,7 +143,9 @@ class MaxTextForCausalLM(nnx.Module):
         raise TypeError("MaxTextForCausalLM takes a vllm_config or a built_config, not both")
       self.cfg = run_options.model_config(built_config)
       self.is_dummy = not any(self.cfg[key] for key in CHECKPOINT_KEYS)
-    self.backend = get_backend(self.cfg.kernel_backend, mesh)
+    # A backend's options are run options (`cpu_weight_panels`, ...): read from the run's config when there is one;
+    # under vLLM, which carries none, the backend keeps its defaults.
+    self.backend = get_backend(self.cfg.kernel_backend, mesh, built_config)
     self.num_layers = self.cfg.base_num_decoder_layers
     if self.is_dummy:
       # With dummy weights the runner never calls load_weights; upstream MaxText initialises here too.
@@ -302,7 +304,7 @@ class MaxTextForCausalLM(nnx.Module):
 
   def compute_logits(self, hidden_states: jax.Array) -> jax.Array:
     """Logits `[R, V]` of hidden states `[R, D]` (already gathered at each request's last token)."""
-    return self.model.compute_logits(hidden_states)
+    return self.model.compute_logits(hidden_states, self.backend)
 
   def embed_input_ids(self, input_ids: jax.Array) -> jax.Array:
     """Token embeddings `[T, D]` of `input_ids` `[T]`."""

@@ -197,7 +197,6 @@ CLI_ONLY = (
 )
 RUNNER_ONLY = (
     "compilation_cache_dir",
-    "cpu_small_matmul",
     "background_compile",
     "overlap_decode_steps",
     "huge_page_weights",
@@ -216,7 +215,7 @@ def test_the_config_the_adapter_builds_carries_no_run_option():
       decode_sampling_temperature=0.5,
       output_format="json",
       seed=7,
-      cpu_small_matmul=False,
+      cpu_weight_panels=False,
       compilation_cache_dir="",
   )
   from_cli = MaxTextForCausalLM.from_config(cli, jax.random.key(0), None).cfg
@@ -227,7 +226,7 @@ def test_the_config_the_adapter_builds_carries_no_run_option():
   assert from_cli == from_vllm  # the same model config, whichever way it was built
 
 
-@pytest.mark.parametrize("key, value", [("prompt", "hi"), ("max_new_tokens", 4), ("cpu_small_matmul", False)])
+@pytest.mark.parametrize("key, value", [("prompt", "hi"), ("max_new_tokens", 4), ("cpu_weight_panels", False)])
 def test_vllm_overrides_may_not_set_run_options(key, value):
   with pytest.raises(ConfigError, match=rf"additional_config\['maxtext_config'\] sets {key}: options of a"):
     maxtext_config_from_vllm(fake_vllm_config({"model_name": "llama-tiny", key: value}))

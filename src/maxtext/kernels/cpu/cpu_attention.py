@@ -4,9 +4,8 @@ The pure-JAX attention (`ragged_paged_attention._attend`) gathers every page of 
 scores all of those positions before masking; in a decode step of a few tokens those gathers and small fused
 products cost more than the weights' matrix-vector products of the layer. The kernel reads, in place, only the
 cache rows of the keys each token sees, and computes the same softmax attention (scores, soft cap, sinks, sliding
-window) in float32. `ragged_paged_attention` hands its attention to `attend` when `applies` says so: inside
-`cpu_gemm.enabled()` (the engine's step programs on one CPU device), for float32 queries and caches with the
-default mask value, once the kernel library has loaded. The KV write stays in XLA.
+window) in float32. The `cpu` kernel backend (`backend.CpuBackend`) attends by `attend` when `applies` says so:
+float32 queries and caches with the default mask value, the kernel library loaded. The KV write stays in XLA.
 """
 
 from __future__ import annotations
@@ -15,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtext.kernels import cpu_gemm, kv_cache_layout
+from maxtext.kernels import kv_cache_layout
+from maxtext.kernels.cpu import cpu_gemm
 
 
 def applies(
@@ -26,15 +26,14 @@ def applies(
     soft_cap: float | None,
     sliding_window: int | None,
 ) -> bool:
-  """Whether `ragged_paged_attention` should attend through the kernel at this trace point.
+  """Whether the `cpu` backend should attend through the kernel.
 
-  True only inside `cpu_gemm.enabled()`, for float32 queries and cache, the default mask value (masked keys then
-  weigh exactly zero, which the kernel's skipping them reproduces), a positive soft cap and window when given, and
-  once `cpu_gemm.load()` has succeeded.
+  True for float32 queries and cache, the default mask value (masked keys then weigh exactly zero, which the
+  kernel's skipping them reproduces), a positive soft cap and window when given, once `cpu_gemm.load()` has
+  succeeded.
   """
   return (
-      cpu_gemm.active()
-      and jnp.dtype(q_dtype) == jnp.float32
+      jnp.dtype(q_dtype) == jnp.float32
       and jnp.dtype(cache_dtype) == jnp.float32
       and mask_value is None
       and (soft_cap is None or soft_cap > 0)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtext.kernels import huge_pages
+from maxtext.kernels.cpu import huge_pages
 
 needs_huge_pages = pytest.mark.skipif(
     huge_pages.unsupported_reason() is not None, reason=f"{huge_pages.unsupported_reason()}"

@@ -7,10 +7,10 @@ of a vector register, one row as one front-to-back stream per slice of the matri
 between the calling thread and the library's helper threads (`cpu/parallel.h`). Routed experts
 have a third product, `expert_matmul`: each (token, choice) row times its expert's matrix, read where it lies in
 the stacked `[E, K, N]` weights (XLA copies a matrix it slices out of them before multiplying). `matmuls` runs
-several products of one input (a block's projections, through `linears.project`) in one call, and
+several products of one input (a block's projections, through the backend's `project`) in one call, and
 `expert_matmuls` several expert products of one routing (an expert's gate and up). The NN products also
-take a weight in column panels (`to_panels`, `[N / PANEL, K, PANEL]`, how the engine stores its dense kernels:
-`linears.use_panels`), read a panel at a time at any number of rows, a prefill's included.
+take a weight in column panels (`to_panels`, `[N / PANEL, K, PANEL]`, how the `cpu` backend stores the dense kernels:
+`CpuBackend.prepare_params`), read a panel at a time at any number of rows, a prefill's included.
 
 The same library holds the paged attention handler (`cpu/paged_attention.cc`), which `cpu_attention.py` serves,
 the gated delta rule's recurrence (`cpu/gated_delta.cc`), which `cpu_gated_delta.py` serves, and Mamba2's
@@ -22,15 +22,12 @@ compiler and JAX's FFI headers, then registers its handlers with XLA. Without a 
 when the build fails, `load()` says why once in the log and XLA's dot is used: the kernel is an optimisation, never a
 requirement.
 
-Model code calls `matmul` / `matmuls` / `matmul_transposed` / `expert_matmul(s)` only inside `enabled()` (the engine
-turns it on while it traces its step programs on a single CPU device); everywhere else, and on other backends, the
-products stay XLA dots.
+Only the `cpu` kernel backend (`backend.CpuBackend`) calls `matmul` / `matmuls` / `matmul_transposed` /
+`expert_matmul(s)`, for the products `applies*` accept; every other product, and every other backend, stays an XLA dot.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import ctypes
 import functools
 import hashlib
@@ -40,7 +37,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -49,7 +46,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).with_name("cpu")
+SOURCE_DIR = Path(__file__).parent
 # One library; the headers are shared.
 SOURCES = tuple(SOURCE_DIR / name for name in ("small_gemm.cc", "paged_attention.cc", "gated_delta.cc", "mamba2.cc"))
 HEADERS = (SOURCE_DIR / "parallel.h", SOURCE_DIR / "simd.h", SOURCE_DIR / "ragged_state.h")
@@ -58,7 +55,7 @@ HEADERS = (SOURCE_DIR / "parallel.h", SOURCE_DIR / "simd.h", SOURCE_DIR / "ragge
 MAX_ROWS = 8
 MAX_EXPERT_ROWS = 1024  # (token, choice) rows up to which the routed experts run on the kernel
 PANEL = 32  # columns per panel of a weight in column panels (`to_panels`; cpu/small_gemm.cc's kPanel)
-# Weights up to this many columns go into panels (`linears.use_panels`). A wider one (an untied output head, 32000
+# Weights up to this many columns go into panels (`CpuBackend.prepare_params`). A wider one (an untied output head, 32000
 # columns) reads as fast row-major at one row and faster at 8 rows, where the kernel cuts it into column chunks.
 MAX_PANEL_COLUMNS = 8192
 TARGETS = {
@@ -72,7 +69,6 @@ TARGETS = {
     "mamba2": ("maxtext_mamba2", "MaxtextMamba2"),  # served by cpu_mamba2.py
 }
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
-_ENABLED = contextvars.ContextVar("maxtext_cpu_gemm_enabled", default=False)
 # XLA's CPU compiler hands element-wise and reduction fusions to YNNPACK. In a decode step of a few rows those
 # fusions (the attention's scores, softmax and weighted sum; a Gated DeltaNet's conv) work on a few thousand elements
 # each and cost more per call than XLA's own loops. Programs of 1-8 rows compile without them.
@@ -195,25 +191,6 @@ def small_batch_compiler_options() -> dict[str, str]:
   return dict(_SMALL_BATCH_OPTIONS)
 
 
-@contextlib.contextmanager
-def enabled(on: bool = True) -> Iterator[None]:
-  """Within this context (while a program is traced), `applies` may choose the kernel; outside it, never.
-
-  The choice is made when a function is traced, and JAX reuses a function's traces: call it inside functions
-  traced with one setting only (the engine turns it on inside its own step functions).
-  """
-  token = _ENABLED.set(on)
-  try:
-    yield
-  finally:
-    _ENABLED.reset(token)
-
-
-def active() -> bool:
-  """Whether this trace point is inside `enabled()` (the kernels may be chosen)."""
-  return _ENABLED.get()
-
-
 def small_batch_program(num_tokens: int) -> bool:
   """Whether the engine compiles a step of `num_tokens` (padded) tokens with `small_batch_compiler_options` when the
   kernel serves it: 1 to `MAX_ROWS`. Code whose best form depends on YNNPACK's fusions asks it too."""
@@ -221,32 +198,32 @@ def small_batch_program(num_tokens: int) -> bool:
 
 
 def applies(rows: int, *dtypes: jnp.dtype) -> bool:
-  """Whether a product of `rows` rows with these operand dtypes should use the kernel at this trace point.
+  """Whether a product of `rows` rows with these operand dtypes should use the kernel .
 
-  True only inside `enabled()`, for 1 to 8 rows of float32 operands, once `load()` has succeeded.
+  True for 1 to 8 rows of float32 operands, once `load()` has succeeded.
   """
   return _serves(rows, 1, MAX_ROWS, dtypes)
 
 
 def applies_panels(rows: int, *dtypes: jnp.dtype) -> bool:
-  """Whether a product of `rows` rows with a weight in column panels should use the kernel at this trace point.
+  """Whether a product of `rows` rows with a weight in column panels should use the kernel .
 
-  True only inside `enabled()`, for float32 operands and any number of rows (the kernel reads each panel from memory
-  once, 8 rows at a time), once `load()` has succeeded.
+  True for float32 operands and any number of rows (the kernel reads each panel from memory once, 8 rows at a time),
+  once `load()` has succeeded.
   """
   return _serves(rows, 1, rows, dtypes)
 
 
 def applies_experts(rows: int, *dtypes: jnp.dtype) -> bool:
-  """Whether routed experts over `rows` (token, choice) rows should use `expert_matmul` at this trace point.
+  """Whether routed experts over `rows` (token, choice) rows should use `expert_matmul` .
 
-  True only inside `enabled()`, for 1 to `MAX_EXPERT_ROWS` rows of float32 operands, once `load()` has succeeded.
+  True for 1 to `MAX_EXPERT_ROWS` rows of float32 operands, once `load()` has succeeded.
   """
   return _serves(rows, 1, MAX_EXPERT_ROWS, dtypes)
 
 
 def _serves(rows: int, low: int, high: int, dtypes: tuple[jnp.dtype, ...]) -> bool:
-  return active() and low <= rows <= high and all(jnp.dtype(d) == jnp.float32 for d in dtypes) and load()
+  return low <= rows <= high and all(jnp.dtype(d) == jnp.float32 for d in dtypes) and load()
 
 
 def to_panels(w: jax.Array) -> jax.Array:
@@ -275,8 +252,8 @@ def to_panels(w: jax.Array) -> jax.Array:
 def from_panels(panels: jax.Array) -> jax.Array:
   """The `[K, N]` weight of column panels `[N / PANEL, K, PANEL]` (`to_panels`'s inverse), a copy.
 
-  Only a product outside the kernel's reach needs it (`linears` sends every product in panels to the kernel inside
-  `enabled()`, at any number of rows).
+  Only a product outside the kernel's reach needs it (the `cpu` backend sends every float32 product in panels to the
+  kernel, at any number of rows).
 
   Raises:
     ValueError: `panels` is not 3-D with a last axis of `PANEL`.

@@ -4,8 +4,8 @@ In XLA, `ragged_mamba2` runs a batch of decodes as a gather of each token's `[H,
 computed into a buffer of their own and a scatter back into the slots, and any batch with a longer request as a loop
 over its tokens, both behind a conditional that copies the states in and out. The kernel runs each (request,
 head)'s tokens in order on the state in the slot the request writes, and updates the states in place (their buffer
-is aliased to the result), as `cpu_gated_delta` does for Gated DeltaNet. `ragged_mamba2` hands the recurrence to
-`mamba2` when `cpu_gated_delta.applies` says so (inside `cpu_gemm.enabled()`, float32, the library loaded).
+is aliased to the result), as `cpu_gated_delta` does for Gated DeltaNet. The `cpu` kernel backend runs the
+recurrence by `mamba2` when `cpu_gated_delta.applies` says so (float32, the library loaded).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from maxtext.kernels import cpu_gated_delta, cpu_gemm
+from maxtext.kernels.cpu import cpu_gated_delta, cpu_gemm
 
 
 def mamba2(

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtext.kernels import cpu_gemm, cpu_mamba2
+from maxtext.kernels.cpu import cpu_gemm, cpu_mamba2
 
 pytestmark = pytest.mark.skipif(
     cpu_gemm.unsupported_reason() is not None, reason="the kernel needs x86-64 with AVX2 and FMA"

@@ -1,6 +1,7 @@
 """Tests for the small-batch CPU matmul kernel: build, registration, numerics against float64 NumPy, dispatch."""
 
 import fnmatch
+import functools
 import logging
 import tomllib
 from pathlib import Path
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext.kernels import cpu_gemm
+from maxtext.kernels.cpu import cpu_gemm
+from maxtext.kernels.cpu.backend import CpuBackend
 from maxtext.layers import embeddings, linears
 
 needs_kernel = pytest.mark.skipif(
@@ -71,10 +73,10 @@ def test_build_names_a_missing_or_failing_compiler(tmp_path):
 
 
 def test_every_kernel_source_is_built_and_shipped():
-  """Each file of `kernels/cpu/` is compiled (or included) into the library and listed in the package data."""
-  files = {p.name for p in cpu_gemm.SOURCE_DIR.iterdir()}
+  """Each C++ file of `kernels/cpu/` is compiled (or included) into the library and listed in the package data."""
+  files = {p.name for p in cpu_gemm.SOURCE_DIR.iterdir() if p.suffix in (".cc", ".h")}
   assert files == {p.name for p in cpu_gemm.SOURCES + cpu_gemm.HEADERS}
-  pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text(encoding="utf-8"))
+  pyproject = tomllib.loads((Path(__file__).parents[4] / "pyproject.toml").read_text(encoding="utf-8"))
   patterns = pyproject["tool"]["setuptools"]["package-data"]["maxtext"]
   for name in files:
     assert any(fnmatch.fnmatch(f"kernels/cpu/{name}", pattern) for pattern in patterns), name
@@ -101,8 +103,7 @@ def test_load_reports_why_the_kernel_is_not_used(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=cpu_gemm.__name__):
       assert cpu_gemm.load() is False
     assert "not used (XLA's dot is): the CPU is riscv64, not x86-64" in caplog.text
-    with cpu_gemm.enabled():
-      assert not cpu_gemm.applies(4, jnp.float32, jnp.float32)
+    assert not cpu_gemm.applies(4, jnp.float32, jnp.float32)
   finally:
     cpu_gemm.load.cache_clear()
 
@@ -210,15 +211,9 @@ def test_matmul_transposed_checks_the_inner_size_of_the_table():
 
 
 @needs_kernel
-def test_applies_only_inside_enabled_for_one_to_eight_float32_rows():
-  assert not cpu_gemm.applies(4, jnp.float32, jnp.float32)
-  with cpu_gemm.enabled():
-    assert [cpu_gemm.applies(r, jnp.float32, jnp.float32) for r in (0, 1, 8, 9)] == [False, True, True, False]
-    assert not cpu_gemm.applies(4, jnp.bfloat16, jnp.float32)
-    with cpu_gemm.enabled(False):
-      assert not cpu_gemm.applies(4, jnp.float32, jnp.float32)
-    assert cpu_gemm.applies(4, jnp.float32, jnp.float32)
-  assert not cpu_gemm.applies(4, jnp.float32, jnp.float32)
+def test_applies_for_one_to_eight_float32_rows():
+  assert [cpu_gemm.applies(r, jnp.float32, jnp.float32) for r in (0, 1, 8, 9)] == [False, True, True, False]
+  assert not cpu_gemm.applies(4, jnp.bfloat16, jnp.float32)
 
 
 def _uses_kernel(fn, *args) -> bool:
@@ -236,14 +231,14 @@ def test_dense_general_takes_the_kernel_for_small_batches_only(rows):
   w_in = jnp.asarray(rng.standard_normal((24, 4, 16)), jnp.float32)
   bias = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
 
-  def project(x, w_out, w_in, bias):
-    y = linears.dense_general(x, w_out, None, num_in_axes=2, dtype=jnp.float32)
-    return y, linears.dense_general(y, w_in, bias, num_in_axes=1, dtype=jnp.float32)
+  def project(x, w_out, w_in, bias, backend=None):
+    y = linears.dense_general(x, w_out, None, num_in_axes=2, dtype=jnp.float32, backend=backend)
+    return y, linears.dense_general(y, w_in, bias, num_in_axes=1, dtype=jnp.float32, backend=backend)
 
-  with cpu_gemm.enabled():
-    assert _uses_kernel(project, x, w_out, w_in, bias) == (1 <= rows <= 8)
-    y, z = jax.jit(project)(x, w_out, w_in, bias)
-  assert not _uses_kernel(project, x, w_out, w_in, bias)
+  on_cpu = functools.partial(project, backend=CpuBackend())
+  assert _uses_kernel(on_cpu, x, w_out, w_in, bias) == (1 <= rows <= 8)
+  y, z = jax.jit(on_cpu)(x, w_out, w_in, bias)
+  assert not _uses_kernel(project, x, w_out, w_in, bias)  # the reference backend
   want_y = _reference(np.asarray(x).reshape(rows, 64), np.asarray(w_out).reshape(64, 24))
   want_z = _reference(np.asarray(y), np.asarray(w_in).reshape(24, 64)) + np.asarray(bias).reshape(64)
   assert y.shape == (rows, 24) and z.shape == (rows, 4, 16)
@@ -325,10 +320,10 @@ def test_project_takes_one_kernel_call_for_small_batches(rows):
   for layer in layers[:2]:
     layer.bias[...] = jnp.asarray(np.random.default_rng(rows).standard_normal(layer.out_shape), jnp.float32)
   x = jnp.asarray(np.random.default_rng(rows + 1).standard_normal((rows, 32)), jnp.float32)
-  with cpu_gemm.enabled():
-    assert _count_kernel_calls(lambda x: linears.project(x, layers), x) == (1 if rows <= 8 else 0)
-    together = linears.project(x, layers)
-    one_by_one = [layer(x) for layer in layers]
+  backend = CpuBackend()
+  assert _count_kernel_calls(lambda x: linears.project(x, layers, backend), x) == (1 if rows <= 8 else 0)
+  together = linears.project(x, layers, backend)
+  one_by_one = [layer(x, backend) for layer in layers]
   for layer, got, want in zip(layers, together, one_by_one):
     assert got.shape == (rows,) + layer.out_shape
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -343,12 +338,12 @@ def test_project_calls_layers_of_other_inputs_one_by_one():
   rngs = nnx.Rngs(0)
   layers = [linears.DenseGeneral(32, 8, rngs=rngs), linears.DenseGeneral((4, 8), 8, rngs=rngs)]
   x = jnp.ones((2, 4, 8), jnp.float32)
-  with cpu_gemm.enabled():
-    assert _count_kernel_calls(lambda x: linears.project(x, layers[1:]), x) == 1
-    with pytest.raises(ValueError, match=r"trailing input axes \(32,\), got input shape \(2, 4, 8\)"):
-      linears.project(x, layers)
-    with pytest.raises(ValueError, match=r"trailing input axes \(4, 8\), got input shape \(2, 32\)"):
-      linears.project(jnp.ones((2, 32)), layers[1:] * 2)
+  backend = CpuBackend()
+  assert _count_kernel_calls(lambda x: linears.project(x, layers[1:], backend), x) == 1
+  with pytest.raises(ValueError, match=r"trailing input axes \(32,\), got input shape \(2, 4, 8\)"):
+    linears.project(x, layers, backend)
+  with pytest.raises(ValueError, match=r"trailing input axes \(4, 8\), got input shape \(2, 32\)"):
+    linears.project(jnp.ones((2, 32)), layers[1:] * 2, backend)
   with pytest.raises(ValueError, match=r"one or more layers, got none"):
     linears.project(x, [])
 
@@ -360,9 +355,10 @@ def test_tied_head_takes_the_transposed_kernel(shape):
   table = jnp.asarray(rng.standard_normal((100, 32)), jnp.float32)
   table = table[:, : shape[-1]] if shape[-1] <= 32 else jnp.asarray(rng.standard_normal((100, shape[-1])), jnp.float32)
   x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-  with cpu_gemm.enabled():
-    assert _uses_kernel(lambda t, h: embeddings.attend(t, h, dtype=jnp.float32), table, x)
-    logits = embeddings.attend(table, x, dtype=jnp.float32)
+  backend = CpuBackend()
+  assert _uses_kernel(lambda t, h: embeddings.attend(t, h, dtype=jnp.float32, backend=backend), table, x)
+  assert not _uses_kernel(lambda t, h: embeddings.attend(t, h, dtype=jnp.float32), table, x)
+  logits = embeddings.attend(table, x, dtype=jnp.float32, backend=backend)
   assert logits.shape == shape[:-1] + (100,)
   want = _reference(np.asarray(x).reshape(-1, shape[-1]), np.asarray(table).T).reshape(shape[:-1] + (100,))
   _close(logits, want)
@@ -535,11 +531,9 @@ def test_matmuls_take_panels_and_row_major_side_by_side(m):
 
 
 @needs_kernel
-def test_applies_panels_takes_any_number_of_float32_rows_inside_enabled():
-  assert not cpu_gemm.applies_panels(64, jnp.float32)
-  with cpu_gemm.enabled():
-    assert [cpu_gemm.applies_panels(r, jnp.float32) for r in (0, 1, 9, 4096)] == [False, True, True, True]
-    assert not cpu_gemm.applies_panels(9, jnp.bfloat16)
+def test_applies_panels_takes_any_number_of_float32_rows():
+  assert [cpu_gemm.applies_panels(r, jnp.float32) for r in (0, 1, 9, 4096)] == [False, True, True, True]
+  assert not cpu_gemm.applies_panels(9, jnp.bfloat16)
 
 
 @pytest.mark.parametrize(

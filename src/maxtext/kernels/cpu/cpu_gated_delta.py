@@ -5,7 +5,7 @@ states computed into a buffer of their own and a scatter back into the slots, an
 as a loop over its tokens; a program that may see either holds both behind a conditional, which copies the states
 in and out. The kernel runs each (request, head)'s tokens in order on the state in the slot the request writes, and
 updates the states in place (their buffer is aliased to the result). `ragged_gated_delta_rule` hands the recurrence
-to `gated_delta` when `applies` says so: inside `cpu_gemm.enabled()` (the engine's step programs on one CPU device),
+to `gated_delta` when `applies` says so: for the `cpu` kernel backend (`backend.CpuBackend`),
 for float32 inputs and states, once the kernel library has loaded.
 """
 
@@ -14,16 +14,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from maxtext.kernels import cpu_gemm
+from maxtext.kernels.cpu import cpu_gemm
 
 
 def applies(*dtypes: jnp.dtype) -> bool:
-  """Whether `ragged_gated_delta_rule` should run its recurrence on the kernel at this trace point.
+  """Whether the `cpu` backend should run a recurrence (gated delta rule, Mamba2) on the kernel.
 
-  True only inside `cpu_gemm.enabled()`, when every dtype given (inputs and states) is float32, once
-  `cpu_gemm.load()` has succeeded.
+  True when every dtype given (inputs and states) is float32, once `cpu_gemm.load()` has succeeded.
   """
-  return cpu_gemm.active() and all(jnp.dtype(d) == jnp.float32 for d in dtypes) and cpu_gemm.load()
+  return all(jnp.dtype(d) == jnp.float32 for d in dtypes) and cpu_gemm.load()
 
 
 def gated_delta(

@@ -79,6 +79,10 @@ def reference_cases() -> dict[str, dict]:
   prefix_prompts = [list(p) for prompts in PREFIX_ROUNDS for p in prompts]
   out["prefix_caching"] = {"family": FAMILIES[PREFIX_FAMILY][0], "prompts": prefix_prompts, "max_tokens": MAX_TOKENS}
   for name, case in LONG.items():
-    length = {"max_target_length": case["engine"]["max_model_len"]}
-    out[name] = {"family": case["family"], "prompts": case["prompts"], "max_tokens": MAX_TOKENS, "maxtext_config": length}
+    # The same cache as vLLM's run: one pool of num_gpu_blocks_override blocks shared by every group.
+    sizes = {
+        "max_target_length": case["engine"]["max_model_len"],
+        "num_kv_blocks": case["engine"]["num_gpu_blocks_override"],
+    }
+    out[name] = {"family": case["family"], "prompts": case["prompts"], "max_tokens": MAX_TOKENS, "maxtext_config": sizes}
   return out

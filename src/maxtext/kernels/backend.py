@@ -22,6 +22,7 @@ to every layer's paged forward.
 from __future__ import annotations
 
 import abc
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -462,11 +463,12 @@ class ReferenceBackend(KernelBackend):
     return _EXPERT_FNS[method](x, weights, indices, w_gate, w_up, w_down, activation=activation, dtype=dtype, **extra)
 
 
-def _cpu_backend(mesh: jax.sharding.Mesh | None) -> KernelBackend:
-  # pylint: disable-next=import-outside-toplevel  # the cpu package builds on this module's ReferenceBackend
-  from maxtext.kernels.cpu.backend import CpuBackend
+CPU_BACKEND_MODULE = "maxtext.kernels.cpu.backend"
 
-  return CpuBackend(mesh)
+
+def _cpu_backend(mesh: jax.sharding.Mesh | None) -> KernelBackend:
+  # The cpu package builds on this module's ReferenceBackend: it is imported by name, when first asked for.
+  return importlib.import_module(CPU_BACKEND_MODULE).CpuBackend(mesh)
 
 
 _BUILT_IN = (REFERENCE, CPU)

@@ -184,9 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--layers", type=positive_int, default=None, help="decoder layers (24; a multiple of 6)")
   parser.add_argument("--requests", type=positive_int, default=4, help="requests in the decode step")
   parser.add_argument("--repeats", type=positive_int, default=None, help="timed steps per form (20)")
-  add_output_flags(parser, "6 layers, window 16, 2 timed steps")
+  add_output_flags(parser, "12 layers, window 16, 2 timed steps")
   args = parser.parse_args(argv)
-  layers = args.layers or (6 if args.quick else 24)
+  layers = args.layers or (12 if args.quick else 24)
   repeats = args.repeats or (2 if args.quick else 20)
   if layers % 6:
     parser.error(f"--layers must be a multiple of 6 (5 sliding : 1 full), got {layers}")

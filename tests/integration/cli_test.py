@@ -25,6 +25,7 @@ from maxtext.checkpoint.convert import convert
 from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.models import Transformer
+from maxtext.testing import param_checks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EOS = 2
@@ -102,7 +103,9 @@ def test_json_and_text_output_match_the_in_process_llm_and_the_dense_greedy_forw
   llm = LLM(str(ROOT / "configs" / "base.yml"), argv=args[1:])
   (expected,) = llm.generate("I love to", SamplingParams(max_tokens=6, logprobs=2))
   assert request["output_token_ids"] == list(expected.outputs[0].token_ids)
-  assert request["output_token_ids"] == _dense_greedy(llm.engine.model.model, request["prompt_token_ids"], 6)
+  assert request["output_token_ids"] == _dense_greedy(
+      param_checks.canonical_model(llm.engine), request["prompt_token_ids"], 6
+  )
   assert request["text"] == expected.outputs[0].text
   assert request["text"] == bytes(t - 3 for t in request["output_token_ids"] if 3 <= t < 259).decode(
       "utf-8", errors="replace"
@@ -128,7 +131,9 @@ def test_dry_run_prints_the_layout_of_every_layer_and_help_exits_0():
   num_layers = load_config(model_name="kvshare-tiny").base_num_decoder_layers
   assert {int(i) for i in re.findall(r"\blayer\.(\d+)\b", out)} == set(range(num_layers))
   slots = [line for line in out.splitlines() if line.startswith("kv_caches[")]
-  assert len(slots) == 4 and sum("shared by" in line for line in slots) == 2
+  assert (
+      len(slots) == 4 and sum(", layer." in line.split(" attention")[0] for line in slots) == 2
+  )  # a reader beside its source
   assert sum(line.startswith("total: ") for line in out.splitlines()) == 1
   status, out, err = runs[1]
   assert status == 0 and out.startswith("usage: maxtext-decode") and err == ""

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from maxtext.inference import LLM, SamplingParams
-from maxtext.testing import kv_cache_checks
+from maxtext.testing import kv_cache_checks, param_checks
 
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
@@ -90,7 +90,7 @@ def test_prompt_logits_match_transformers_within_1e3(llm, hf_model):
   ids = _hf_chat_ids(tokenizer, PROMPTS[2])
   with torch.no_grad():
     expected = model(torch.tensor([ids])).logits[0].numpy()
-  dense = llm.engine.model.model  # the runner's own Transformer, called full-sequence
+  dense = param_checks.canonical_model(llm.engine)  # the runner's own Transformer, called full-sequence
   ours = np.asarray(dense(np.asarray([ids], np.int32))[0])
   assert ours.shape == expected.shape == (len(ids), 49152)
   np.testing.assert_allclose(ours, expected, atol=1e-3, rtol=0)

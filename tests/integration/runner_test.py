@@ -12,7 +12,7 @@ import pytest
 
 from maxtext.configs import available_models
 from maxtext.inference import LLM, SamplingParams
-from maxtext.testing import kv_cache_checks
+from maxtext.testing import kv_cache_checks, param_checks
 
 # Every tiny config in configs/models: a new family is covered as soon as its tiny config exists.
 FAMILIES = [name for name in available_models() if name.endswith("-tiny")]
@@ -85,7 +85,7 @@ def test_every_layout_gives_the_dense_greedy_tokens(name):
     results[(layout, hybrid)] = _generate(llm, prompts)
     # Chunked prefill really happened: the 33-token prompt cannot fit the 16-token budget.
     assert llm.engine.stats.steps > MAX_TOKENS
-  model = llm.engine.model.model
+  model = param_checks.canonical_model(llm.engine)
   expected = _dense_greedy(model, prompts)
   for key, tokens in results.items():
     assert tokens == expected, f"{name} {key}"

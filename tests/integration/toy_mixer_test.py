@@ -20,7 +20,7 @@ from maxtext.kernels.cache_spec import RecurrentSpec
 from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.mixer import Mixer, register_mixer
 from maxtext.models import Transformer
-from maxtext.testing import kv_cache_checks
+from maxtext.testing import kv_cache_checks, param_checks
 
 KIND = "running_mean"
 LAYER_TYPES = [KIND, "full_attention", KIND, "full_attention"]
@@ -59,7 +59,8 @@ class RunningMean(Mixer):
 
   def paged(self, x, positions, cache, md, backend):
     """Each request's running sum continues from its state slot and is written back at its last token."""
-    del backend  # Plain JAX ops; a real kind would add its op to the kernel backend.
+    # Plain JAX ops for the sum (a real kind would add its op to the kernel backend); the projection is the
+    # backend's, as every dense product of the paged path is (it may hold the kernel in a layout of its own).
     (sums,) = cache
     t, s = x.shape[0], md.seq_lens.shape[0]
     qsl = md.query_start_loc
@@ -78,7 +79,7 @@ class RunningMean(Mixer):
     writes = (jnp.arange(s) < num_reqs) & (q_len > 0)
     rows = jnp.where(writes, md.mamba_state_indices, sums.shape[0])  # out of range: dropped
     sums = sums.at[rows].set(final, mode="drop")
-    return self.out(running / (positions[:, None] + 1.0)), (sums,)
+    return self.out(running / (positions[:, None] + 1.0), backend), (sums,)
 
 
 def _config(**overrides):
@@ -128,7 +129,7 @@ def test_the_toy_kind_is_a_recurrent_layer_everywhere():
 
 def test_paged_sum_matches_the_dense_forward_at_the_first_prompt():
   llm = LLM(**_config())
-  model = llm.engine.model.model
+  model = param_checks.canonical_model(llm.engine)
   prompt = _prompts()[1]
   dense = np.asarray(model(jnp.asarray([prompt], jnp.int32))[0, -1])
   first = llm.generate([prompt], SamplingParams(max_tokens=1))[0].outputs[0].token_ids[0]
@@ -148,5 +149,5 @@ def test_every_layout_gives_the_dense_greedy_tokens(layout):
   outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
   assert kv_cache_checks.all_free(llm.engine.manager), "blocks or state slots leaked"
   assert llm.engine.stats.steps > MAX_TOKENS  # the 29-token prompt was chunked over the 16-token budget
-  model = llm.engine.model.model
+  model = param_checks.canonical_model(llm.engine)
   assert [list(o.outputs[0].token_ids) for o in outs] == [_dense_greedy(model, p) for p in prompts]

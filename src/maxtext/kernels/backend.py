@@ -60,6 +60,9 @@ class Relayable(Protocol):
     """Stores the weight as `convert(weight as [K, N], compute dtype)` returns (None: unchanged), tagged `layout`;
     returns the bytes now in that layout."""
 
+  def restore_layout(self, convert: Callable[[Any], Any]) -> None:
+    """Stores the weight in its canonical layout again, `convert` making the `[K, N]` matrix of the stored one."""
+
 
 class KernelBackend(abc.ABC):
   """The ops of the paged path; a backend implements all four. `mesh` is the device mesh (or None).
@@ -129,6 +132,10 @@ class KernelBackend(abc.ABC):
       The bytes of parameters now in a layout of this backend's (0: the parameters are as loaded).
     """
     return 0
+
+  def restore_params(self, model: nnx.Module) -> None:  # pylint: disable=unused-argument  # nothing to undo
+    """Puts `model`'s parameters back in the canonical layout `prepare_params` took them from, in place: the layout
+    the dense full-sequence forward and a checkpoint writer read."""
 
   def compiler_options(self, num_tokens: int) -> dict[str, str]:  # pylint: disable=unused-argument  # none here
     """XLA compile options for a step program of `num_tokens` (padded) tokens ({}: XLA's defaults)."""

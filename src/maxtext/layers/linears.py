@@ -118,6 +118,14 @@ class DenseGeneral(nnx.Module):
     kernel = self.kernel.get_value()
     return math.prod(kernel.shape) * jnp.dtype(kernel.dtype).itemsize
 
+  def restore_layout(self, convert: Callable[[Any], Any]) -> None:
+    """Stores `kernel` as `[*in, *out]` again (`relayout`'s inverse), in place: `convert` makes the `[K, N]` matrix
+    of the stored kernel. A kernel in no backend layout is left as it is."""
+    if self.layout is None:
+      return
+    self.kernel.set_value(jnp.asarray(convert(self.kernel.get_value())).reshape(self.in_shape + self.out_shape))
+    self.layout = None
+
 
 def _check_input(x: jax.Array, in_shape: tuple[int, ...]) -> None:
   if x.shape[x.ndim - len(in_shape) :] != in_shape:

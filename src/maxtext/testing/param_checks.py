@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import ml_collections
@@ -24,3 +25,11 @@ def params_are_sharded_as_configured(model: Transformer, cfg: ml_collections.Fro
   return all(
       value.sharding.is_equivalent_to(expected[name], value.ndim) for name, value in get_flat_params(model).items()
   )
+
+
+def canonical_model(engine: Any) -> Transformer:
+  """A copy of an engine's model with every parameter back in the canonical layout (`KernelBackend.restore_params`),
+  as the dense full-sequence forward reads it; the engine's own model keeps its backend's layout."""
+  model = nnx.clone(engine.model.model)
+  engine.backend.restore_params(model)
+  return model

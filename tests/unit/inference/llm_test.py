@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from maxtext.inference import LLM, CompletionOutput, RequestOutput, SamplingParams
-from maxtext.testing import kv_cache_checks
+from maxtext.testing import kv_cache_checks, param_checks
 
 EOS = 2  # the byte-level tokenizer's eos id
 BYTE_OFFSET = 3  # byte b is token b + 3 (0, 1, 2 are pad, bos, eos)
@@ -63,7 +63,7 @@ def fixture_greedy(llm):
   def greedy(prompt, max_tokens):
     key = (tuple(prompt), max_tokens)
     if key not in cache:
-      cache[key] = _dense_greedy(llm.engine.model.model, prompt, max_tokens)
+      cache[key] = _dense_greedy(param_checks.canonical_model(llm.engine), prompt, max_tokens)
     return cache[key]
 
   return greedy

@@ -23,11 +23,13 @@ def test_quick_run_compares_grouped_and_per_layer_metadata(capsys):
   benchmark = _load_benchmark()
   assert benchmark.main(["--quick", "--json"]) == 0
   report = json.loads(capsys.readouterr().out)
-  assert report["settings"]["layers"] == 6 and report["settings"]["repeats"] == 2
+  assert report["settings"]["layers"] == 12 and report["settings"]["repeats"] == 2
   grouped, per_layer = report["results"]
   assert (grouped["mode"], per_layer["mode"]) == ("grouped", "per_layer")
-  # 5 array fields (positions, block tables, seq lens, query starts, distribution): 2 groups vs 6 layers.
-  assert grouped["metadata_leaves"] == 2 * 5 and per_layer["metadata_leaves"] == 6 * 5
+  # 5 array fields (positions, block tables, seq lens, query starts, distribution). vLLM's grouping splits each
+  # layer type into groups of the smallest type's size: the 2 full-attention layers of 12 (5:1) make groups of two
+  # layers, so 6 groups vs 12 layers.
+  assert grouped["metadata_leaves"] == 6 * 5 and per_layer["metadata_leaves"] == 12 * 5
   # Tracing does the same work per layer either way; only the compiler can share work between equal inputs.
   assert grouped["jaxpr_eqns"] == per_layer["jaxpr_eqns"] and grouped["metadata_eqns"] == per_layer["metadata_eqns"]
   assert 0 < grouped["metadata_eqns"] < grouped["jaxpr_eqns"]

@@ -139,6 +139,12 @@ class CpuBackend(ReferenceBackend):
       return 0
     return sum(layer.relayout(PANELS, to_panels) for _, layer in nnx.iter_modules(model) if isinstance(layer, Relayable))
 
+  def restore_params(self, model: nnx.Module) -> None:
+    """Every kernel in column panels back to `[*in, *out]` (`from_panels`), in place."""
+    for _, layer in nnx.iter_modules(model):
+      if isinstance(layer, Relayable) and getattr(layer, "layout", None) == PANELS:
+        layer.restore_layout(cpu_gemm.from_panels)
+
   def compiler_options(self, num_tokens: int) -> dict[str, str]:
     """YNNPACK's fusions off for steps of 1 to `cpu_gemm.MAX_ROWS` tokens, once the kernel has loaded."""
     if cpu_gemm.small_batch_program(num_tokens) and cpu_gemm.load():

@@ -28,7 +28,7 @@ from typing import Any
 from maxtext.checkpoint import load_run_config
 from maxtext.inference import SamplingParams
 from maxtext.inference.engine import LLMEngine
-from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
+from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int, pyplot
 
 CONTEXTS = (1024, 2048, 4096, 8192)
 MIB = 2**20
@@ -166,13 +166,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot(rows: Sequence[dict[str, Any]], path: str) -> str:
   """Writes admitted requests and tokens/s against context, per model, on and off; returns a message."""
-  try:
-    import matplotlib  # pylint: disable=import-outside-toplevel  # optional: only the --plot step needs it
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel  # optional, see above
-  except ImportError:
-    return f"--plot skipped: matplotlib is not installed (pip install matplotlib to write {path})"
+  plt, skipped = pyplot(path)
+  if plt is None:
+    return skipped
   fig, (admitted, speed) = plt.subplots(1, 2, figsize=(10, 4))
   for name in dict.fromkeys(row["model"] for row in rows):
     mine = [row for row in rows if row["model"] == name]

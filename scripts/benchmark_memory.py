@@ -38,7 +38,7 @@ from maxtext.inference.engine import make_kv_cache_manager
 from maxtext.inference.kv_cache_capacity import cache_bytes
 from maxtext.inference.kv_cache_manager import ATTENTION, KVCacheManager
 from maxtext.integration.vllm import kv_cache_spec
-from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
+from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int, pyplot
 
 CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
 # name -> config overrides (model_name first)
@@ -192,13 +192,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot(rows: Sequence[dict[str, Any]], path: str) -> str:
   """Writes bytes per request against context (log-log), per config and mode; returns a message."""
-  try:
-    import matplotlib  # pylint: disable=import-outside-toplevel  # optional: only the --plot step needs it
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel  # optional, see above
-  except ImportError:
-    return f"--plot skipped: matplotlib is not installed (pip install matplotlib to write {path})"
+  plt, skipped = pyplot(path)
+  if plt is None:
+    return skipped
   fig, ax = plt.subplots(figsize=(6, 4))
   for name in dict.fromkeys(row["config"] for row in rows):
     mine = [row for row in rows if row["config"] == name]

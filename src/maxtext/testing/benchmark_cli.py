@@ -1,5 +1,5 @@
 """What the `scripts/benchmark_*.py` command lines share: positive integer options, the `--quick` and `--json`
-flags, and printing one JSON object or a header and a table."""
+flags, printing one JSON object or a header and a table, and matplotlib for `--plot`."""
 
 import argparse
 import json
@@ -31,3 +31,16 @@ def emit(as_json: bool, payload: dict[str, Any], lines: Iterable[str]) -> None:
   else:
     for line in lines:
       print(line)
+
+
+def pyplot(path: str) -> tuple[Any, str]:
+  """(matplotlib's pyplot on the file-only Agg backend, ""), or (None, the message a `--plot PATH` run reports) when
+  matplotlib is not installed: it is optional, only plots need it."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel  # optional: only the --plot step needs it
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel  # optional, see above
+  except ImportError:
+    return None, f"--plot skipped: matplotlib is not installed (pip install matplotlib to write {path})"
+  return plt, ""

@@ -1,4 +1,4 @@
-"""Benchmark: greedy decode tokens/s of this package beside transformers and vLLM, on seeded random checkpoints.
+"""Benchmark: greedy decode tokens/s of this package beside transformers, vLLM and llama.cpp.
 
 One invocation builds three seeded random Hugging Face checkpoints with transformers' `save_pretrained` (fp32,
 hidden 512, vocab 32000, head_dim 64):
@@ -9,8 +9,9 @@ then runs every peer on every checkpoint, each in its own process:
   maxtext       this package's `LLM` API over the Hugging Face folder
   transformers  `AutoModelForCausalLM.from_pretrained(...).generate(...)` (needs the hf extra)
   vllm          vLLM's CPU engine (`vllm.LLM`), only when importable by `--vllm-python` (default: this interpreter)
-and a JAX read-bandwidth probe (the fastest of a few array sums, over an array moved onto 2 MiB pages as the
-engine moves its weights: `huge_page_weights`), run before the first checkpoint and after each one; the roofline
+(the other projects' workers live in scripts/benchmark_decode_peers.py) and a JAX read-bandwidth probe (the fastest
+of a few array sums, over an array moved onto 2 MiB pages as the engine moves its weights: `huge_page_weights`),
+run before the first checkpoint and after each one; the roofline
 uses the highest reading of the run, since a reading taken while the machine is busier is lower and would flatter
 every share. Per peer and batch it reports tokens/s of one
 `generate` call after a warm-up call of the same shape (best of `--repeats`), the load + first-call time, the
@@ -33,6 +34,15 @@ This package's load + first call is measured twice: a cold start, whose compilat
 warm start (`wload_s`, `wfirst_s`), a second process over the folder the first one filled, as a second run of the
 same model finds it; the warm start's tokens must equal the cold run's (`warm_same_tokens` in the JSON).
 
+`--models smollm2` (not in the default list) decodes the README's example model instead, a Q4_1 GGUF file, from the
+README's chat prompt ids (the same ids for every peer; see scripts/benchmark_decode_peers.py), `--new-tokens` tokens
+past its end-of-text token. Its peers are this package, once per `--maxtext-variants` entry (float32, the reference
+of the `same` column there; `bfloat16` = weight_dtype=bfloat16; `int8w` = quantization=int8w over bfloat16; or any
+key=value: a key the config refuses fails that row only), and `llamacpp`: llama.cpp via llama-cpp-python 0.3.36 in
+its own venv (`--llama-python`, built by scripts/setup_llama_cpp_env.sh), 2 threads, batch N being N sequences
+decoded one after another (its Python API decodes one sequence per call). transformers and vLLM run the random
+checkpoints only and llama.cpp the GGUF model only; a roofline is not computed for the GGUF model.
+
 With `--baseline-src DIR` this package also runs from another source tree (DIR, a checkout's src/ folder, first
 on the worker's PYTHONPATH) as the peer `maxtext@baseline`, right before or after this tree's run of each checkpoint
 (the order alternating from one checkpoint to the next), and each row of this tree reports its tokens/s over the
@@ -40,13 +50,15 @@ baseline's (`vs base`) and whether their tokens agree (`=base`): a before/after 
 
 Timings are measurements only; on a shared machine compare ratios from one run, not absolute numbers.
 
-Usage: python scripts/benchmark_decode.py [--models llama gemma3 qwen3_next] [--peers maxtext transformers vllm]
-                                          [--batches 1 8] [--prompt-len 64] [--new-tokens 64] [--repeats 2]
-                                          [--paired-rounds 5] [--vllm-python PATH] [--baseline-src DIR]
-                                          [--quick] [--json]
+Usage: python scripts/benchmark_decode.py [--models llama gemma3 qwen3_next smollm2]
+                                          [--peers maxtext transformers vllm llamacpp] [--batches 1 8]
+                                          [--prompt-len 64] [--new-tokens 64] [--repeats 2] [--paired-rounds 5]
+                                          [--maxtext-variants float32 bfloat16 int8w] [--vllm-python PATH]
+                                          [--llama-python PATH] [--baseline-src DIR] [--quick] [--json]
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -58,7 +70,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-PEERS = ("maxtext", "transformers", "vllm")
+
+def _load_sibling(name: str) -> Any:
+  """The module scripts/<name>.py (standard-library imports only: it loads in the peers' own venvs too)."""
+  spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name(f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+peers_module = _load_sibling("benchmark_decode_peers")
+LLAMA_CPP = peers_module.LLAMA_CPP
+PEERS = ("maxtext", "transformers", "vllm", LLAMA_CPP)
 BASELINE = "maxtext@baseline"  # this package from `--baseline-src`
 LIN, FULL, SLIDE = "linear_attention", "full_attention", "sliding_attention"
 _COMMON = {
@@ -245,13 +268,6 @@ def measure_bandwidth(quick: bool) -> dict[str, Any]:
   return BandwidthProbe(quick).read()
 
 
-def _prompts(vocab_size: int, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
-  import numpy as np
-
-  rng = np.random.default_rng(seed)
-  return rng.integers(3, vocab_size, size=(batch, prompt_len)).tolist()
-
-
 def _time_decode_steps(engine: Any) -> list[float]:
   """Wraps `engine.step` to record the wall time of every pure-decode step (each scheduled token is sampled).
 
@@ -283,8 +299,12 @@ def run_maxtext(
     first_call_only: bool = False,
     paired_rounds: int = 0,
     quick: bool = False,
+    gguf: str = "",
+    prompt_ids: Sequence[int] = (),
+    overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
-  """This package's LLM over the Hugging Face folder; also the median wall time of its decode steps.
+  """This package's LLM over the Hugging Face folder (or the GGUF model); also the median wall time of its decode
+  steps.
 
   Args:
     folder, batches, prompt_len, new_tokens, repeats: as for every peer.
@@ -295,24 +315,47 @@ def run_maxtext(
       another reading, in this process: each round's decode-step median with the better of the two readings
       around it (`paired` in the result), so a step is set against the bandwidth of its own moment.
     quick: the bandwidth probe's test size.
+    gguf: the GGUF model's file, decoded instead of `folder` from `prompt_ids` (every request the same prompt),
+      `new_tokens` tokens past its end-of-text token as the other peers do.
+    prompt_ids: the chat prompt's ids (`gguf` only); this package's chat template must give the same.
+    overrides: config `key=value` strings (a `--maxtext-variants` entry).
+
+  Raises:
+    ValueError: this package's chat prompt ids are not `prompt_ids`.
   """
   from maxtext.inference import LLM, SamplingParams
 
+  if gguf:
+    prompt_len = len(prompt_ids)
+    source = {"model_name": peers_module.MODEL_NAME, "gguf_model_path": gguf, "use_chat_template": True}
+  else:
+    source = {"hf_model_path": folder}
   start = time.perf_counter()
   llm = LLM(
-      hf_model_path=folder,
+      argv=overrides,
       max_num_seqs=max(batches),
       max_num_batched_tokens=max(256, max(batches) * prompt_len),
       max_target_length=prompt_len + new_tokens,
       compilation_cache_dir=cache_dir,
+      **source,
   )
   load_s = time.perf_counter() - start
+  if gguf:
+    own_ids = llm.prompt_token_ids(peers_module.PROMPT)
+    if own_ids != list(prompt_ids):
+      raise ValueError(f"the chat prompt's ids must be the benchmark's {list(prompt_ids)}, this package gives {own_ids}")
+    # Every peer generates exactly `new_tokens` tokens: the scheduler's end-of-text stop is turned off.
+    llm.engine.scheduler.eos_token_id = None
   params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
   decode_times = _time_decode_steps(llm.engine)
   out: dict[str, Any] = {"load_s": load_s, "batches": {}}
   probe: BandwidthProbe | None = None  # made after the first calls, which it would otherwise slow
   for batch in batches:
-    prompts = _prompts(llm.tokenizer.vocab_size, batch, prompt_len, seed=batch)
+    prompts = (
+        [list(prompt_ids)] * batch
+        if gguf
+        else peers_module.random_prompts(llm.tokenizer.vocab_size, batch, prompt_len, seed=batch)
+    )
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)  # warm-up: compiles this batch's shapes (or loads them from the cache)
     first_s = time.perf_counter() - start
@@ -350,86 +393,17 @@ def run_maxtext(
   return out
 
 
-def run_transformers(
-    folder: str, batches: Sequence[int], prompt_len: int, new_tokens: int, repeats: int
-) -> dict[str, Any]:
-  """transformers' `generate`, greedy, fp32."""
-  import torch
-  import transformers
-
-  start = time.perf_counter()
-  model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-  load_s = time.perf_counter() - start
-  out: dict[str, Any] = {"load_s": load_s, "torch_threads": torch.get_num_threads(), "batches": {}}
-  kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 0}
-  for batch in batches:
-    ids = torch.tensor(_prompts(model.config.vocab_size, batch, prompt_len, seed=batch))
-    mask = torch.ones_like(ids)
-    with torch.inference_mode():
-      start = time.perf_counter()
-      model.generate(ids, attention_mask=mask, **kwargs)
-      first_s = time.perf_counter() - start
-      best, tokens = float("inf"), None
-      for _ in range(repeats):
-        start = time.perf_counter()
-        result = model.generate(ids, attention_mask=mask, **kwargs)
-        best = min(best, time.perf_counter() - start)
-        tokens = result[:, prompt_len:].tolist()
-    out["batches"][str(batch)] = {
-        "first_call_s": first_s,
-        "generate_s": best,
-        "tokens_per_s": batch * new_tokens / best,
-        "tokens": tokens,
-    }
-  return out
-
-
-def run_vllm(folder: str, batches: Sequence[int], prompt_len: int, new_tokens: int, repeats: int) -> dict[str, Any]:
-  """vLLM's CPU engine (its own interpreter), greedy; the dtype of the checkpoint's config (fp32)."""
-  import vllm  # pylint: disable=import-error  # only in the vLLM venv (--vllm-python)
-
-  vocab_size = json.loads(Path(folder, "config.json").read_text(encoding="utf-8"))["vocab_size"]
-  start = time.perf_counter()
-  llm = vllm.LLM(
-      model=folder,
-      dtype="float32",
-      skip_tokenizer_init=True,
-      max_model_len=prompt_len + new_tokens,
-      max_num_seqs=max(batches),
-      seed=0,
-  )
-  load_s = time.perf_counter() - start
-  params = vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
-  out: dict[str, Any] = {"load_s": load_s, "version": vllm.__version__, "batches": {}}
-  for batch in batches:
-    prompts = [{"prompt_token_ids": p} for p in _prompts(vocab_size, batch, prompt_len, seed=batch)]
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    first_s = time.perf_counter() - start
-    best, tokens = float("inf"), None
-    for _ in range(repeats):
-      start = time.perf_counter()
-      outputs = llm.generate(prompts, params, use_tqdm=False)
-      best = min(best, time.perf_counter() - start)
-      tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    out["batches"][str(batch)] = {
-        "first_call_s": first_s,
-        "generate_s": best,
-        "tokens_per_s": batch * new_tokens / best,
-        "tokens": tokens,
-    }
-  return out
-
-
 # pylint: enable=import-outside-toplevel
-_WORKERS = {"transformers": run_transformers, "vllm": run_vllm}  # maxtext's workers take their cache folder too
 WARM = "maxtext-warm"  # a second maxtext process over the first one's compilation cache
 
 
 def _worker_main(argv: Sequence[str]) -> int:
   parser = argparse.ArgumentParser()
-  parser.add_argument("role", choices=("build", "bandwidth", WARM) + PEERS)
+  parser.add_argument("role", choices=("build", "bandwidth", "prompt", WARM) + PEERS)
   parser.add_argument("--folder", default="")
+  parser.add_argument("--gguf", default="")
+  parser.add_argument("--prompt-ids", type=int, nargs="*", default=[])
+  parser.add_argument("--override", action="append", default=[])
   parser.add_argument("--model", default="llama")
   parser.add_argument("--batches", type=int, nargs="+", default=[1])
   parser.add_argument("--prompt-len", type=int, default=8)
@@ -444,6 +418,10 @@ def _worker_main(argv: Sequence[str]) -> int:
     result = build_checkpoint(args.folder, args.model, args.quick, args.seed)
   elif args.role == "bandwidth":
     result = measure_bandwidth(args.quick)
+  elif args.role == "prompt":
+    result = peers_module.chat_prompt_ids(args.gguf)
+  elif args.role == LLAMA_CPP:
+    result = peers_module.run_llama_cpp(args.gguf, args.prompt_ids, args.batches, args.new_tokens, args.repeats)
   elif args.role in ("maxtext", WARM):
     sizes = (args.folder, args.batches, args.prompt_len, args.new_tokens, args.repeats)
     result = run_maxtext(
@@ -452,9 +430,12 @@ def _worker_main(argv: Sequence[str]) -> int:
         first_call_only=args.role == WARM,
         paired_rounds=args.paired_rounds,
         quick=args.quick,
+        gguf=args.gguf,
+        prompt_ids=args.prompt_ids,
+        overrides=args.override,
     )
   else:
-    result = _WORKERS[args.role](args.folder, args.batches, args.prompt_len, args.new_tokens, args.repeats)
+    result = peers_module.WORKERS[args.role](args.folder, args.batches, args.prompt_len, args.new_tokens, args.repeats)
   print(RESULT_MARK + json.dumps(result), flush=True)
   return 0
 
@@ -462,11 +443,15 @@ def _worker_main(argv: Sequence[str]) -> int:
 # ----------------------------------------------------------------------------------------------- the driver
 
 
+_WEIGHT_CACHE_DIR = ""  # the current run's weight cache folder for the workers (set by `main`)
+
+
 def _env(src: str | None = None) -> dict[str, str]:
   """This environment, with `src` (default: the repository's src/) first on PYTHONPATH (a fresh checkout runs
   without install).
 
-  A compilation cache folder set for JAX is dropped: the maxtext workers get their own (empty for the cold start).
+  A compilation cache folder set for JAX is dropped: the maxtext workers get their own (empty for the cold start),
+  and the run's weight cache folder.
   """
   env = dict(os.environ)
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -474,6 +459,8 @@ def _env(src: str | None = None) -> dict[str, str]:
   src = src or str(Path(__file__).resolve().parents[1] / "src")
   env["PYTHONPATH"] = os.pathsep.join([src] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
   env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+  if _WEIGHT_CACHE_DIR:
+    env["MAXTEXT_WEIGHT_CACHE_DIR"] = _WEIGHT_CACHE_DIR  # this run's, never the user's
   return env
 
 
@@ -492,11 +479,11 @@ def run_worker(python: str, role: str, args: Sequence[str], timeout: float, src:
   return json.loads(lines[-1][len(RESULT_MARK) :])
 
 
-def vllm_available(python: str) -> tuple[bool, str]:
-  """Whether `python` can import vllm, and why not."""
+def peer_available(python: str, module: str) -> tuple[bool, str]:
+  """Whether `python` can import the peer's `module` (vllm, llama_cpp), and its version or why not."""
   try:
     proc = subprocess.run(
-        [python, "-c", "import vllm; print(vllm.__version__)"],
+        [python, "-c", f"import {module}; print({module}.__version__)"],
         env=_env(),
         capture_output=True,
         text=True,
@@ -506,7 +493,7 @@ def vllm_available(python: str) -> tuple[bool, str]:
   except (OSError, subprocess.TimeoutExpired) as e:
     return False, f"{python}: {e}"
   if proc.returncode != 0:
-    return False, (proc.stderr.strip().splitlines() or ["import vllm failed"])[-1]
+    return False, (proc.stderr.strip().splitlines() or [f"import {module} failed"])[-1]
   return True, proc.stdout.strip()
 
 
@@ -516,12 +503,23 @@ def _matches(tokens: list[list[int]] | None, reference: list[list[int]] | None) 
   return sum(a == b for a, b in zip(tokens, reference)) / len(reference)
 
 
+def _is_maxtext(peer: str) -> bool:
+  """Whether `peer` is this tree's run (any `--maxtext-variants` entry), not the baseline's or another project's."""
+  return peer == "maxtext" or peer.startswith("maxtext:")
+
+
 def summarize(
-    model: str, checkpoint: dict[str, Any], hf_config: dict[str, Any], peers: dict[str, Any], gb_per_s: float
+    model: str,
+    checkpoint: dict[str, Any],
+    hf_config: dict[str, Any],
+    peers: dict[str, Any],
+    gb_per_s: float,
+    reference: str = "transformers",
 ) -> list[dict[str, Any]]:
-  """One row per (model, peer, batch): tokens/s, first call, recompilations, roofline share, token agreement."""
+  """One row per (model, peer, batch): tokens/s, first call, recompilations, roofline share (none without
+  `checkpoint["tensor_bytes"]`), the share of requests whose tokens equal the `reference` peer's."""
   rows = []
-  reference = peers.get("transformers", {}).get("batches", {})
+  reference_batches = peers.get(reference, {}).get("batches", {})
   for peer, result in peers.items():
     if "error" in result:
       rows.append({"model": model, "peer": peer, "batch": None, "error": result["error"]})
@@ -529,9 +527,11 @@ def summarize(
     warm = result.get("warm", {})
     for batch, stats in result["batches"].items():
       step_s = stats["generate_s"] / stats.get("steps", len(stats["tokens"][0]))
-      active_bytes = active_weight_bytes(checkpoint["tensor_bytes"], hf_config, int(batch))
+      active_bytes = (
+          active_weight_bytes(checkpoint["tensor_bytes"], hf_config, int(batch)) if "tensor_bytes" in checkpoint else 0
+      )
       ideal_s = active_bytes / (gb_per_s * 1e9)
-      paired = stats.get("paired") or []
+      paired = (stats.get("paired") or []) if active_bytes else []
       rows.append(
           {
               "model": model,
@@ -541,9 +541,11 @@ def summarize(
               "load_s": result["load_s"],
               "first_call_s": stats["first_call_s"],
               "recompilations": stats.get("recompilations"),
-              "roofline_share": ideal_s / step_s,
+              "roofline_share": ideal_s / step_s if active_bytes else None,
               "decode_step_s": stats.get("decode_step_s"),
-              "decode_step_roofline_share": ideal_s / stats["decode_step_s"] if stats.get("decode_step_s") else None,
+              "decode_step_roofline_share": (
+                  ideal_s / stats["decode_step_s"] if stats.get("decode_step_s") and active_bytes else None
+              ),
               # Each paired round's decode steps against the bandwidth read around them, the median of the rounds.
               "paired_step_roofline_share": (
                   statistics.median(active_bytes / (r["gb_per_s"] * 1e9) / r["decode_step_s"] for r in paired)
@@ -551,7 +553,8 @@ def summarize(
                   else None
               ),
               "paired_gb_per_s": [r["gb_per_s"] for r in paired] if paired else None,
-              "same_tokens_as_transformers": _matches(stats["tokens"], reference.get(batch, {}).get("tokens")),
+              "reference": reference,
+              "same_tokens_as_reference": _matches(stats["tokens"], reference_batches.get(batch, {}).get("tokens")),
           }
       )
       if peer == "maxtext":
@@ -563,11 +566,11 @@ def summarize(
         rows[-1]["warm_same_tokens"] = _matches(warm_stats.get("tokens"), stats["tokens"])
   best: dict[tuple[str, int], float] = {}
   for row in rows:
-    if row.get("batch") is not None and row["peer"] not in ("maxtext", BASELINE):
+    if row.get("batch") is not None and not _is_maxtext(row["peer"]) and row["peer"] != BASELINE:
       key = (row["model"], row["batch"])
       best[key] = max(best.get(key, 0.0), row["tokens_per_s"])
   for row in rows:
-    if row.get("batch") is not None and row["peer"] == "maxtext" and (row["model"], row["batch"]) in best:
+    if row.get("batch") is not None and _is_maxtext(row["peer"]) and (row["model"], row["batch"]) in best:
       row["ratio_to_best_peer"] = row["tokens_per_s"] / best[(row["model"], row["batch"])]
   baseline = peers.get(BASELINE, {}).get("batches", {})
   for row in rows:
@@ -586,31 +589,64 @@ def _cell(value: float | None, scale: float = 1.0) -> str:
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
   """Human-readable table of `summarize` rows."""
   header = (
-      f"{'model':<11} {'peer':<12} {'batch':>5} {'tok/s':>8} {'vs best':>7} {'load_s':>7} {'first_s':>7} "
+      f"{'model':<11} {'peer':<16} {'batch':>5} {'tok/s':>8} {'vs best':>7} {'load_s':>7} {'first_s':>7} "
       f"{'wload_s':>7} {'wfirst_s':>8} {'recomp':>6} {'roofline':>8} {'step_ms':>7} {'step_rf':>7} {'pair_rf':>7} "
       f"{'same':>5} {'vs base':>7} {'=base':>5}"
   )
   lines = [header, "-" * len(header)]
   for row in rows:
     if row.get("batch") is None:
-      lines.append(f"{row['model']:<11} {row['peer']:<12} not run: {row['error']}")
+      lines.append(f"{row['model']:<11} {row['peer']:<16} not run: {row['error']}")
       continue
     ratio = _cell(row.get("ratio_to_best_peer"))
     recomp = "-" if row["recompilations"] is None else str(row["recompilations"])
-    same = _cell(row["same_tokens_as_transformers"])
+    same = _cell(row["same_tokens_as_reference"])
     step_ms = _cell(row.get("decode_step_s"), scale=1e3)
     step_rf = _cell(row.get("decode_step_roofline_share"))
     pair_rf = _cell(row.get("paired_step_roofline_share"))
     warm_load, warm_first = _cell(row.get("warm_load_s")), _cell(row.get("warm_first_call_s"))
     vs_base, same_base = _cell(row.get("ratio_to_baseline")), _cell(row.get("same_tokens_as_baseline"))
     lines.append(
-        f"{row['model']:<11} {row['peer']:<12} {row['batch']:>5} {row['tokens_per_s']:>8.1f} {ratio:>7} "
+        f"{row['model']:<11} {row['peer']:<16} {row['batch']:>5} {row['tokens_per_s']:>8.1f} {ratio:>7} "
         f"{row['load_s']:>7.2f} {row['first_call_s']:>7.2f} {warm_load:>7} {warm_first:>8} {recomp:>6} "
-        f"{row['roofline_share']:>8.2f} {step_ms:>7} {step_rf:>7} {pair_rf:>7} {same:>5} {vs_base:>7} {same_base:>5}"
+        f"{_cell(row['roofline_share']):>8} {step_ms:>7} {step_rf:>7} {pair_rf:>7} {same:>5} {vs_base:>7} {same_base:>5}"
     )
     if row.get("warm_error"):
-      lines.append(f"{row['model']:<11} {'maxtext':<12} warm start not run: {row['warm_error']}")
+      lines.append(f"{row['model']:<11} {'maxtext':<16} warm start not run: {row['warm_error']}")
   return "\n".join(lines)
+
+
+def _run_job(
+    job: str,
+    unsupported: str | None,
+    run_args: list[str],
+    variants: dict[str, tuple[str, ...]],
+    float32_args: list[str],
+    pythons: dict[str, str],
+    timeout: float,
+) -> dict[str, Any]:
+  """One peer's worker on one model (`unsupported`: the kind of model the peer runs instead, when it cannot run
+  this one); `pythons` holds the vLLM and llama.cpp interpreters and the baseline's source tree."""
+  if unsupported:
+    only = f"the {peers_module.MODEL} GGUF model" if unsupported == "GGUF" else "the random checkpoints"
+    return {"error": f"{job} runs {only} only"}
+  if job == BASELINE:
+    return run_worker(sys.executable, "maxtext", run_args, timeout, src=pythons[BASELINE])
+  if _is_maxtext(job):
+    extra = [arg for override in variants[job] for arg in ("--override", override)]
+    return run_worker(sys.executable, "maxtext", run_args + extra + (float32_args if job == "maxtext" else []), timeout)
+  return run_worker(pythons.get(job, sys.executable), job, run_args, timeout)
+
+
+def _random_model(model: str, tmp: str, seed: int, quick: list[str], timeout: float) -> tuple[dict, dict, str]:
+  """Builds `model`'s seeded random checkpoint under `tmp`: (its sizes, its config.json, its folder)."""
+  folder = os.path.join(tmp, model)
+  checkpoint = run_worker(
+      sys.executable, "build", ["--folder", folder, "--model", model, "--seed", str(seed)] + quick, timeout
+  )
+  if "error" in checkpoint:
+    raise SystemExit(f"benchmark_decode: building the {model} checkpoint failed: {checkpoint['error']}")
+  return checkpoint, json.loads(Path(folder, "config.json").read_text(encoding="utf-8")), folder
 
 
 def _probe_bandwidth(quick: list[str], timeout: float) -> dict[str, Any]:
@@ -633,7 +669,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   if argv[:1] == ["--_worker"]:
     return _worker_main(argv[1:])
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--models", choices=tuple(MODELS), nargs="+", default=list(MODELS), help="checkpoints to run")
+  parser.add_argument(
+      "--models",
+      choices=tuple(MODELS) + (peers_module.MODEL,),
+      nargs="+",
+      default=list(MODELS),
+      help=f"checkpoints to run (default: the random ones; {peers_module.MODEL}: the README's example model)",
+  )
   parser.add_argument("--peers", choices=PEERS, nargs="+", default=list(PEERS), help="implementations to run")
   parser.add_argument("--batches", type=_positive_int, nargs="+", default=None, help="requests per call (1 8)")
   parser.add_argument("--prompt-len", type=_positive_int, default=None, help="prompt tokens per request (64)")
@@ -643,7 +685,18 @@ def main(argv: Sequence[str] | None = None) -> int:
       "--paired-rounds", type=_positive_int, default=None, help="this package: bandwidth read beside its calls (5)"
   )
   parser.add_argument("--seed", type=int, default=0, help="seed of the random checkpoints")
+  parser.add_argument(
+      "--maxtext-variants",
+      nargs="+",
+      default=["float32"],
+      help="this package's runs: float32, bfloat16 (weight_dtype), int8w (quantization) or key=value",
+  )
   parser.add_argument("--vllm-python", default=sys.executable, help="interpreter that has vllm (its own venv)")
+  parser.add_argument(
+      "--llama-python",
+      default=sys.executable,
+      help="interpreter that has llama_cpp (scripts/setup_llama_cpp_env.sh); batch N = N sequences one after another",
+  )
   parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker process")
   parser.add_argument("--quick", action="store_true", help="test-size models, batches 1 2, 8 + 4 tokens, 1 repeat")
   parser.add_argument(
@@ -659,55 +712,64 @@ def main(argv: Sequence[str] | None = None) -> int:
   repeats = args.repeats or (1 if args.quick else 2)
   paired_rounds = args.paired_rounds or (2 if args.quick else 5)
   quick = ["--quick"] if args.quick else []
+  variants: dict[str, tuple[str, ...]] = {}
+  for variant in args.maxtext_variants:
+    try:
+      variants[peers_module.variant_peer(variant)] = peers_module.variant_overrides(variant)
+    except ValueError as e:
+      parser.error(f"--maxtext-variants: {e}")
   notes = {}
   peers = list(args.peers)
-  if "vllm" in peers:
-    ok, why = vllm_available(args.vllm_python)
-    notes["vllm"] = why
-    if not ok:
-      peers.remove("vllm")
+  for peer, module, python in (("vllm", "vllm", args.vllm_python), (LLAMA_CPP, "llama_cpp", args.llama_python)):
+    if peer in peers:
+      ok, why = peer_available(python, module)
+      notes[peer] = why
+      if not ok:
+        peers.remove(peer)
+  if LLAMA_CPP in peers:
+    notes[LLAMA_CPP] += f", {peers_module.LLAMA_CPP_THREADS} threads; batch N = N sequences decoded one after another"
+  if "maxtext" in peers:  # this package once per variant, float32 first when asked for
+    at = peers.index("maxtext")
+    peers[at : at + 1] = list(variants)
   probes = [_probe_bandwidth(quick, args.timeout)]
   runs = []
   with tempfile.TemporaryDirectory(prefix="benchmark_decode_") as tmp:
+    # The workers' weight cache (`_env`): empty for the cold start, filled by it for the warm one.
+    global _WEIGHT_CACHE_DIR  # pylint: disable=global-statement  # one run's folder, read by `_env`
+    _WEIGHT_CACHE_DIR = os.path.join(tmp, "weights")
     for model in args.models:
-      folder = os.path.join(tmp, model)
-      checkpoint = run_worker(
-          sys.executable, "build", ["--folder", folder, "--model", model, "--seed", str(args.seed)] + quick, args.timeout
-      )
-      if "error" in checkpoint:
-        raise SystemExit(f"benchmark_decode: building the {model} checkpoint failed: {checkpoint['error']}")
-      hf_config = json.loads(Path(folder, "config.json").read_text(encoding="utf-8"))
-      run_args = ["--folder", folder, "--batches", *map(str, batches), "--prompt-len", str(prompt_len)]
-      run_args += ["--new-tokens", str(new_tokens), "--repeats", str(repeats)]
+      sizes = ["--batches", *map(str, batches), "--new-tokens", str(new_tokens), "--repeats", str(repeats)]
+      if model == peers_module.MODEL:
+        checkpoint, hf_config, run_args = peers_module.gguf_model(run_worker, args.timeout)
+        run_args += sizes
+        notes[model] = f"{peers_module.PROMPT!r} through the chat template: {len(checkpoint['prompt_ids'])} prompt ids"
+        reference, unsupported = "maxtext", {"transformers": "random", "vllm": "random"}
+      else:
+        checkpoint, hf_config, folder = _random_model(model, tmp, args.seed, quick, args.timeout)
+        run_args = ["--folder", folder, "--prompt-len", str(prompt_len)] + sizes
+        reference, unsupported = "transformers", {LLAMA_CPP: "GGUF"}
       cache_args = ["--cache-dir", os.path.join(tmp, f"{model}-compilation-cache")]  # empty: a cold start
       paired_args = ["--paired-rounds", str(paired_rounds)] + quick
       jobs = list(peers)
       if args.baseline_src and "maxtext" in jobs:
         # Beside this tree's run, before it for every other checkpoint: neither side always runs first.
         jobs.insert(jobs.index("maxtext") + (len(runs) % 2), BASELINE)
+      pythons = {"vllm": args.vllm_python, LLAMA_CPP: args.llama_python, BASELINE: args.baseline_src}
+      float32_args = cache_args + paired_args  # the cold and warm starts and the pairing: float32's only
       results = {
-          job: (
-              run_worker(sys.executable, "maxtext", run_args, args.timeout, src=args.baseline_src)
-              if job == BASELINE
-              else run_worker(
-                  args.vllm_python if job == "vllm" else sys.executable,
-                  job,
-                  run_args + (cache_args + paired_args if job == "maxtext" else []),
-                  args.timeout,
-              )
-          )
+          job: _run_job(job, unsupported.get(job), run_args, variants, float32_args, pythons, args.timeout)
           for job in jobs
       }
       if "maxtext" in results and "error" not in results["maxtext"]:
         results["maxtext"]["warm"] = run_worker(sys.executable, WARM, run_args + cache_args, args.timeout)
-      runs.append((model, checkpoint, hf_config, results))
+      runs.append((model, checkpoint, hf_config, results, reference))
       probes.append(_probe_bandwidth(quick, args.timeout))
   best_probe = max(probes, key=lambda probe: probe["gb_per_s"])
   bandwidth = dict(best_probe, probes_gb_per_s=[probe["gb_per_s"] for probe in probes])
   rows = [
-      dict(row, params=checkpoint["params"])
-      for model, checkpoint, hf_config, results in runs
-      for row in summarize(model, checkpoint, hf_config, results, bandwidth["gb_per_s"])
+      dict(row, params=checkpoint.get("params"))
+      for model, checkpoint, hf_config, results, reference in runs
+      for row in summarize(model, checkpoint, hf_config, results, bandwidth["gb_per_s"], reference)
   ]
   settings = {
       "baseline_src": args.baseline_src or None,
@@ -716,12 +778,14 @@ def main(argv: Sequence[str] | None = None) -> int:
       "new_tokens": new_tokens,
       "repeats": repeats,
       "paired_rounds": paired_rounds,
+      "maxtext_variants": {peer: list(overrides) for peer, overrides in variants.items()},
   }
   if args.json:
     print(json.dumps({"settings": settings, "bandwidth": bandwidth, "notes": notes, "results": rows}))
   else:
     print(
-        f"prompt {prompt_len} + {new_tokens} new tokens, greedy, fp32, best of {repeats}; JAX read bandwidth "
+        f"prompt {prompt_len} + {new_tokens} new tokens, greedy, fp32 random checkpoints, best of {repeats}; "
+        f"`same` against transformers (random) or maxtext (float32; GGUF); JAX read bandwidth "
         f"{bandwidth['gb_per_s']:.1f} GB/s (the highest of {len(probes)} probes: "
         f"{', '.join(f'{gb:.1f}' for gb in bandwidth['probes_gb_per_s'])})"
     )

@@ -1,9 +1,12 @@
 """Shared pytest setup: fake CPU devices for sharding code, float32 matmuls at full precision, a compilation cache
 shared by every test process; the example model and the tpu-inference wheel, each fetched once."""
 
+import atexit
 import importlib.util
 import os
 import pathlib
+import shutil
+import tempfile
 
 # Most tests build the same tiny models and jit the same steps, each test in fresh closures that JAX's in-memory
 # cache cannot reuse. JAX's persistent compilation cache is keyed by the lowered program, the compile options and
@@ -23,6 +26,12 @@ if _COMPILATION_CACHE != "off":
   os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 else:
   os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+
+# The engine keeps the prepared weights of every checkpoint it loads (checkpoint/weight_cache.py); the suite's
+# checkpoints are random and short-lived, so they go to a folder of the test session, never into the user's cache.
+if "MAXTEXT_WEIGHT_CACHE_DIR" not in os.environ:
+  os.environ["MAXTEXT_WEIGHT_CACHE_DIR"] = tempfile.mkdtemp(prefix="maxtext-test-weights-")
+  atexit.register(shutil.rmtree, os.environ["MAXTEXT_WEIGHT_CACHE_DIR"], ignore_errors=True)
 
 import jax  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position

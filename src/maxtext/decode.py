@@ -14,7 +14,8 @@ one are finished. `output_format=json` prints exactly one JSON object on stdout,
 `{"requests": [{"prompt_token_ids", "output_token_ids", "text", "finish_reason", "logprobs"}], "stats": {...}}`
 (finish_reason: "stop" at eos or a stop token, "length" at max_new_tokens or max_target_length). Without
 max_new_tokens (or with 0) a completion runs until eos, within max_target_length; text output gets one stderr
-warning when a completion stopped at a length limit instead. Logs and progress go to stderr. Bad input (unknown
+warning when a completion stopped at a length limit instead. Logs and progress go to stderr; on a terminal, stderr
+also shows what the start is doing (importing, loading the weights, compiling) from its first moment. Bad input (unknown
 key, bad value, missing file) prints one line on stderr and exits with status 2; Ctrl-C exits with status 130.
 """
 
@@ -38,6 +39,10 @@ EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 1  # the reader of stdout went away (`maxtext-decode --help | head -1`)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 INTERRUPTED = "maxtext-decode: interrupted"
+# On a terminal, the program's first line, written before the seconds of imports; then the engine's status lines
+# (the `maxtext.status` logger: loading the weights, compiling), so the wait before the first token is never silent.
+STARTING = "maxtext-decode: starting (importing JAX and the model code)"
+STATUS_LOGGER = "maxtext.status"
 
 
 def run(argv: Sequence[str], cancel: threading.Event | None = None) -> int:
@@ -46,6 +51,19 @@ def run(argv: Sequence[str], cancel: threading.Event | None = None) -> int:
   from maxtext import decode_run  # pylint: disable=import-outside-toplevel  # seconds of imports: after the handler
 
   return decode_run.run(argv, cancel)
+
+
+def show_status(stream: Any) -> None:
+  """Writes the `STARTING` line to `stream` and from now on every `maxtext.status` record as one line
+  `maxtext-decode: <message>` there (the records do not reach the root logger's warning-level handler)."""
+  stream.write(STARTING + "\n")
+  stream.flush()
+  handler = logging.StreamHandler(stream)
+  handler.setFormatter(logging.Formatter("maxtext-decode: %(message)s"))
+  status = logging.getLogger(STATUS_LOGGER)
+  status.addHandler(handler)
+  status.setLevel(logging.INFO)
+  status.propagate = False
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -155,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   line); Ctrl-C exits 130 with one line.
 
   Without `argv`, main is the program (`sys.argv`): its first act is a SIGINT handler that ends the process at once
-  (`_exit_interrupted`), before the seconds of imports, and left in place for the interpreter's shutdown. With
+  (`_exit_interrupted`), before the seconds of imports, and left in place for the interpreter's shutdown; when
+  stderr is a terminal, its next is the `STARTING` line and the engine's status lines (`show_status`). With
   `argv` (called in-process), Ctrl-C raises KeyboardInterrupt, which aborts the run's requests and returns 130.
   """
   program = argv is None
@@ -166,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Without any argument the run would decode the base config's random-weight model: almost surely not meant.
     print(USAGE, file=sys.stderr)
     return EXIT_USAGE
+  if program and args[0] not in ("-h", "--help") and _is_terminal(sys.stderr):
+    show_status(sys.stderr)  # only on a terminal: a pipe or a file gets exactly the lines it got before
   with contextlib.nullcontext(threading.Event()) if program else _cancel_on_sigint() as cancel:
     try:
       logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")

@@ -165,6 +165,7 @@ def _write_gguf(path, layers, width=256):
   writer.close()
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_weights_load_ends_the_progress_bar_line_first(tmp_path):
   path = tmp_path / "model.gguf"
   _write_gguf(path, layers=16)
@@ -184,6 +185,7 @@ def test_ctrl_c_while_the_weights_load_ends_the_progress_bar_line_first(tmp_path
   assert done < total == 146, bar_line
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_decode_exits_130_without_a_traceback():
   proc = _start(LONG_RUN, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   # The progress bar has counted generated tokens (its first render, "0/4000", comes before the first step).
@@ -193,6 +195,7 @@ def test_ctrl_c_mid_decode_exits_130_without_a_traceback():
   assert out == b""
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_stream_keeps_the_text_so_far_and_says_interrupted():
   text_run = [arg for arg in LONG_RUN if arg != "output_format=json"]
   proc = _start(text_run, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -206,6 +209,7 @@ def test_ctrl_c_mid_stream_keeps_the_text_so_far_and_says_interrupted():
   assert len(streamed + out) < 4000 * 4  # stopped long before the 4000 tokens (at most 4 UTF-8 bytes each)
 
 
+@pytest.mark.slow
 def test_load_parameters_path_that_is_not_a_checkpoint_is_one_line(tmp_path):
   (tmp_path / "README").write_text("not a checkpoint", encoding="utf-8")
   proc = _start(

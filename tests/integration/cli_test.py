@@ -243,6 +243,7 @@ def test_hugging_face_folder_and_its_orbax_conversion_decode_like_transformers(t
   assert len(err.splitlines()) == 1 and err.startswith(ERROR_PREFIX) and "has no tokenizer.json" in err, err
 
 
+@pytest.mark.slow
 def test_orbax_checkpoint_decodes_like_the_saved_model(tmp_path):
   cfg = load_config(model_name="llama-tiny")
   model = Transformer(cfg, rngs=nnx.Rngs(params=jax.random.key(123)))

@@ -127,6 +127,7 @@ def test_the_toy_kind_is_a_recurrent_layer_everywhere():
     load_config(**_config(num_kv_shared_layers=2))
 
 
+@pytest.mark.slow
 def test_paged_sum_matches_the_dense_forward_at_the_first_prompt():
   llm = LLM(**_config())
   model = param_checks.canonical_model(llm.engine)

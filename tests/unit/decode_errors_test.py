@@ -55,6 +55,7 @@ def test_hf_model_path_that_is_a_file_says_it_is_not_a_folder(capsys, tmp_path):
   assert _error_line(capsys).startswith(f"hf_model_path='{path}' is a file, not a folder")
 
 
+@pytest.mark.slow
 def test_max_new_tokens_beyond_max_target_length_is_said_once_and_capped(capsys):
   # "I love" is bos + 6 bytes = 7 tokens, so max_target_length=32 leaves room for 25.
   status = decode.main(RUN + ["prompt=I love", "max_new_tokens=100000000", "output_format=json"])

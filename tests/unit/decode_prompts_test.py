@@ -70,6 +70,7 @@ def test_jsonl_prompts_are_decoded_together_in_input_order(tmp_path, capsys, gre
   assert doc["stats"]["steps"] == max(len(greedy(p, 4)) for p in prompts)
 
 
+@pytest.mark.slow
 def test_text_prompts_file_prints_each_completion_under_its_line(tmp_path, capsys, greedy):
   path = tmp_path / "prompts.txt"
   path.write_text("I love\n\nHello there\n", encoding="utf-8")
@@ -125,6 +126,7 @@ def test_a_single_text_prompt_streams_token_by_token(monkeypatch, capsys, greedy
   assert "generating" not in capsys.readouterr().err  # no progress bar under streamed text
 
 
+@pytest.mark.slow
 def test_max_new_tokens_beyond_max_target_length_is_reported_once(tmp_path, capsys, greedy):
   path = tmp_path / "p.txt"
   path.write_text("I love\nHello there\n", encoding="utf-8")

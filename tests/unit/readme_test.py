@@ -20,6 +20,14 @@ def test_ci_runs_the_readme_test_command():
   assert "--cov-branch" in pytest_lines[0] and "--cov-fail-under=90" in pytest_lines[0]
 
 
+def test_the_readme_quick_subset_runs_in_parallel_and_leaves_out_registered_markers():
+  readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+  (quick,) = [line for line in readme if re.search(r"-m pytest\b", line) and '"not slow and not hf"' in line]
+  assert shlex.split(quick)[1:] == ["-m", "pytest", "-q", "-n", "auto", "-m", "not slow and not hf"], quick
+  markers = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+  assert '"slow: ' in markers and '"hf: ' in markers
+
+
 def test_ci_runs_the_readme_upstream_tier_command():
   ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
   readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import ml_collections
 import numpy as np
 
-from maxtext.checkpoint import gguf, hf, hf_config, orbax
+from maxtext.checkpoint import gguf, hf, hf_config
 from maxtext.configs import ConfigError
 from maxtext.configs.loader import DEFAULT_MODEL_NAME
 from maxtext.models import Transformer, abstract_model, assign_params, flat_param_shapes
@@ -214,11 +214,15 @@ class OrbaxFolder(CheckpointSource):
 
   def load_model(self, cfg, *, progress=True, into=None):
     del progress, into  # Orbax restores straight into a new model's shardings
+    from maxtext.checkpoint import orbax  # pylint: disable=import-outside-toplevel  # a fifth of a second: on use
+
     logger.info("restoring parameters from %s", self.path)
     return orbax.restore_model(self.path, cfg)
 
   def iter_params(self, cfg, *, progress=False):
     del progress  # restored in one call
+    from maxtext.checkpoint import orbax  # pylint: disable=import-outside-toplevel  # a fifth of a second: on use
+
     return iter(orbax.restore_params(self.path, flat_param_shapes(cfg)).items())
 
 

@@ -26,6 +26,7 @@ from maxtext.configs.layer_kinds import FULL_ATTENTION
 
 DECODER_BLOCKS = families.DECODER_BLOCKS
 DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = ("", "int8w")  # `quantization`: none, or int8 weight-only (the cpu kernel backend's int8 panels)
 # Physical orders of the reference runner's cache list (see inference/kv_cache_manager.py).
 KV_CACHE_LAYOUTS = ("layer", "hybrid", "shuffled")
 # The device mesh's axes and the keys that size them (see maxtext/models/sharding.py).
@@ -152,6 +153,16 @@ def validate(values: Mapping[str, Any]) -> None:
   for key, choices in _CHOICES.items():
     if values[key] not in choices:
       raise _fail(key, values[key], f"must be one of {', '.join(choices)}")
+  if values["quantization"] not in QUANTIZATIONS:
+    raise _fail(
+        "quantization", values["quantization"], "must be '' (weights in weight_dtype) or 'int8w' (int8 weight-only)"
+    )
+  if values["quantization"] and values["weight_dtype"] != "bfloat16":
+    raise ConfigError(
+        f"quantization={values['quantization']!r} keeps the weights it does not quantize (the embedding table, the"
+        f" norms, kernels whose sizes are not multiples of 32) in weight_dtype, which must then be bfloat16; got"
+        f" weight_dtype={values['weight_dtype']!r}"
+    )
   for key in _POSITIVE:
     if values[key] <= 0:
       raise _fail(key, values[key], "must be > 0")

@@ -41,6 +41,8 @@ RUNNER_KEYS = (
     "overlap_decode_steps",
     "huge_page_weights",
     "cpu_weight_panels",
+    "weight_cache",
+    "weight_cache_max_bytes",
 )
 RUN_OPTION_KEYS = CLI_KEYS + RUNNER_KEYS
 

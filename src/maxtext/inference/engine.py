@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -22,7 +22,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from maxtext.inference import compilation_cache
+from maxtext.checkpoint import weight_cache
+from maxtext.inference import compilation_cache, step_programs
 from maxtext.inference.batch import BatchInputs, build_batch, next_power_of_two, padded_num_tokens
 from maxtext.inference.kv_cache_manager import KVCacheManager, max_num_reqs
 from maxtext.inference.request import Request, RequestStatus
@@ -36,6 +37,14 @@ from maxtext.kernels.backend import device_default_name
 from maxtext.models import sharding
 
 logger = logging.getLogger(__name__)
+# What a start is doing (loading, compiling), for a command line to show while it waits (`maxtext-decode` on a
+# terminal); nothing is printed unless a program turns it on.
+status = logging.getLogger("maxtext.status")
+COMPILE_NOTICE_S = 1.0
+COMPILE_NOTICE = (
+    "compiling the step programs (the first run of a model takes a while; later runs load them from the compilation"
+    " cache)"
+)
 
 
 @dataclasses.dataclass
@@ -260,6 +269,7 @@ class LLMEngine:
     self._jitted_steps = {"step": (step, 5), "step_greedy": (step_greedy, 8)}
     self._programs: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
     self._programs_lock = threading.Lock()  # the background compile asks for a program too
+    self._program_cache: step_programs.ProgramCache | bool | None = None  # False: off (`_step_program_cache`)
     self._zero_rows = jax.jit(zero_rows, donate_argnums=(0,))
     self._zero_rows_bucket = next_power_of_two(max_num_reqs(cfg))
     self._logits = jax.jit(logits)
@@ -283,13 +293,9 @@ class LLMEngine:
           target=self._compile_smallest_greedy_step, args=shapes, name="maxtext-compile", daemon=False
       )
       self._background_compile.start()
+    self.weights_from_cache = False
     if not self.model.is_dummy:
-      self.model.load_weights(rng_key)
-      self.prepared_bytes = self.backend.prepare_params(self.model)
-      loaded_graphdef, self.state = nnx.split(self.model)
-      self._state_leaves, loaded_def = jax.tree_util.tree_flatten(self.state)
-      if (loaded_graphdef, loaded_def) != (graphdef, state_def):
-        raise RuntimeError("loading the weights changed the model's structure; the step programs were built for it")
+      self._load_prepared_weights(rng_key, graphdef, state_def)
     else:
       self.state = state
     # The backend's work on the weights' memory (`place_params`; the cpu backend's 2 MiB pages: a decode step reads
@@ -299,6 +305,38 @@ class LLMEngine:
     self.placed_bytes: int | None = None
     self._placing: threading.Thread | None = None
     self._placing_pending = True
+    self._copied_leaves: list[Any] | None = None  # cached weights copied by the placing thread, not yet adopted
+    self._state_def = state_def
+
+  def _load_prepared_weights(self, rng_key: jax.Array, graphdef: Any, state_def: Any) -> None:
+    """Fills the model with its prepared parameters: from the weight cache when it holds them (`weight_cache`),
+    else from the checkpoint (loaded, then laid out by the backend), which is then stored there for the next start.
+
+    Raises:
+      RuntimeError: the loaded model's structure is not the one the step programs were built for.
+    """
+    entry = None
+    if not self.model.is_sharded:
+      entry = weight_cache.run_entry(self.cfg, self.backend, str(state_def), self._state_leaves)
+    cached = entry[0].load(entry[1]) if entry is not None else None
+    if cached is not None:
+      status.info("loading the prepared weights from %s", entry[0].folder)
+      # Read-only NumPy arrays over the entry's file mapping: JAX's CPU client uses their memory without a copy.
+      self._state_leaves = [jax.device_put(leaf) for leaf in cached.leaves]
+      self.state = jax.tree_util.tree_unflatten(state_def, self._state_leaves)
+      self.model = nnx.merge(graphdef, self.state)
+      self.prepared_bytes = int(cached.extra.get("prepared_bytes", 0))
+      self.weights_from_cache = True
+      return
+    status.info("loading and converting the weights (kept for the next start)" if entry else "loading the weights")
+    self.model.load_weights(rng_key)
+    self.prepared_bytes = self.backend.prepare_params(self.model)
+    loaded_graphdef, self.state = nnx.split(self.model)
+    self._state_leaves, loaded_def = jax.tree_util.tree_flatten(self.state)
+    if (loaded_graphdef, loaded_def) != (graphdef, state_def):
+      raise RuntimeError("loading the weights changed the model's structure; the step programs were built for it")
+    if entry is not None:
+      entry[0].store(entry[1], self._state_leaves, {"prepared_bytes": int(self.prepared_bytes)})
 
   def _start_placing_params(self) -> None:
     """Starts the backend's work on the weights' memory in a thread, once (none when the backend has none)."""
@@ -308,19 +346,31 @@ class LLMEngine:
     work = self.backend.place_params(self._state_leaves)
     if work is None:
       return
+    # Placing alone is system calls, which a process may exit during. Copying cached weights calls into XLA, where
+    # the interpreter's shutdown would unwind the thread inside C++ and abort the process: the exit waits for it.
     self._placing = threading.Thread(
         target=self._place_params,
-        args=(work,),
+        args=(None if self.weights_from_cache else work,),
         name="maxtext-place-params",
-        daemon=True,  # only system calls: a process may exit while it runs
+        daemon=not self.weights_from_cache,
     )
     self._placing.start()
 
-  def _place_params(self, work: Any) -> None:
-    """Runs the backend's `work` on the weights' memory; sets `placed_bytes`. Failures only log."""
+  def _place_params(self, work: Callable[[], int] | None) -> None:
+    """Runs the backend's `work` on the weights' memory; sets `placed_bytes`. Failures only log.
+
+    Without `work`, the weights are views of the weight cache's file mapping, pages the backend cannot move: they
+    are first copied into memory of this process, placed there, and adopted by the next step
+    (`_adopt_copied_weights`).
+    """
     start = time.perf_counter()
     try:
-      self.placed_bytes = work()
+      copies = None
+      if work is None:
+        copies = [jax.device_put(np.array(leaf)) for leaf in self._state_leaves]
+        work = self.backend.place_params(copies)
+      self.placed_bytes = work() if work is not None else 0
+      self._copied_leaves = copies
     except Exception as e:  # pylint: disable=broad-exception-caught  # an optimisation must not break the engine
       logger.warning("kernel_backend=%s: placing the weights failed (they stay where they are): %s", self.backend.name, e)
       self.placed_bytes = 0
@@ -332,6 +382,15 @@ class LLMEngine:
         time.perf_counter() - start,
     )
 
+  def _adopt_copied_weights(self) -> None:
+    """Steps from now on read the placing thread's copies of cached weights (equal arrays; the file's mapping goes
+    once nothing holds its views)."""
+    leaves, self._copied_leaves = self._copied_leaves, None
+    if leaves is not None:
+      self._state_leaves = leaves
+      self.state = jax.tree_util.tree_unflatten(self._state_def, leaves)
+      self.model = nnx.merge(nnx.graphdef(self.model), self.state)
+
   def _program(self, name: str, num_tokens: int) -> Any:
     """The jitted `name` program ("step", "step_greedy") with the compile options the backend asks for a step of
     `num_tokens` (padded) tokens; kv_caches donated, the layer map static."""
@@ -340,10 +399,35 @@ class LLMEngine:
     with self._programs_lock:
       if key not in self._programs:
         fn, layer_map_arg = self._jitted_steps[name]
-        self._programs[key] = jax.jit(
-            fn, donate_argnums=(1,), static_argnums=(layer_map_arg,), compiler_options=options or None
-        )
+        cache = self._step_program_cache()
+        if cache is None:
+          self._programs[key] = jax.jit(
+              fn, donate_argnums=(1,), static_argnums=(layer_map_arg,), compiler_options=options or None
+          )
+        else:
+          jitted = jax.jit(
+              step_programs.named(fn, cache.program_name(name)),
+              donate_argnums=(1,),
+              static_argnums=(layer_map_arg,),
+              compiler_options=options or None,
+          )
+          self._programs[key] = step_programs.StepProgram(jitted, name, options, cache)
       return self._programs[key]
+
+  def _step_program_cache(self) -> step_programs.ProgramCache | None:
+    """The folder of whole step executables (`step_programs`), made on first use; None when it is off (no
+    compilation cache of the config's own, or a mesh of several devices)."""
+    if self._program_cache is None:
+      folder = step_programs.folder_for(self.cfg, self.compilation_cache_dir)
+      if folder is None or self.mesh.size != 1:
+        self._program_cache = False
+      else:
+        # The programs call the C++ kernels by name: they are registered (and their availability keyed) first.
+        kernels = self.backend.load_kernels()
+        fixed = (self._state_leaves, self.kv_caches)
+        run_key = step_programs.run_key(self.cfg, self.backend, fixed, self.layer_map, kernels=kernels)
+        self._program_cache = step_programs.ProgramCache(folder, run_key, list(self.mesh.devices.flat))
+    return self._program_cache or None
 
   def _compile_smallest_greedy_step(self, leaves: Sequence[Any], kv_caches: Sequence[Any]) -> None:
     """Traces and compiles the greedy step of one request and the smallest token bucket (a one-token decode).
@@ -360,7 +444,11 @@ class LLMEngine:
       batch = build_batch(self.cfg, out, manager)
       step, indices = self._greedy_program(batch, out.sampling_request_ids)
       prev, num_prev = _no_previous_tokens(indices.shape[0])
-      step.lower(*_step_inputs(leaves, kv_caches, batch), indices, prev, num_prev, self.layer_map).compile()
+      args = (*_step_inputs(leaves, kv_caches, batch), indices, prev, num_prev, self.layer_map)
+      if isinstance(step, step_programs.StepProgram):
+        step.prepare(*args)  # from the folder, else traced, compiled and stored
+      else:
+        step.lower(*args).compile()
     except Exception as e:  # pylint: disable=broad-exception-caught  # an optimisation must not break the engine
       logger.warning("compiling the decode step in the background failed (it compiles when first used): %s", e)
 
@@ -458,11 +546,25 @@ class LLMEngine:
 
     The tokens it sampled are in `last_sampled` (request id -> token id) until the next step. With
     `overlap_decode_steps`, a greedy decode step may dispatch the next decode step before its own tokens reach the
-    host (`_plan_ahead`); the next call then starts from that step.
+    host (`_plan_ahead`); the next call then starts from that step. While the engine's first step takes longer
+    than `COMPILE_NOTICE_S` (it compiles its programs, or traces them when they come from the compilation cache),
+    a `maxtext.status` record says so.
     """
+    if self.stats.steps:
+      return self._step()
+    notice = threading.Timer(COMPILE_NOTICE_S, status.info, args=(COMPILE_NOTICE,))
+    notice.daemon = True
+    notice.start()
+    try:
+      return self._step()
+    finally:
+      notice.cancel()
+
+  def _step(self) -> list[FinishedRequest]:
     start = time.perf_counter()
     aborted, self._aborted = self._aborted, []
     self.last_sampled = {}
+    self._adopt_copied_weights()
     pending = self._take_ahead()
     sampled: dict[str, int] = {}
     if pending is None:

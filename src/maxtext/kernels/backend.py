@@ -77,8 +77,16 @@ class KernelBackend(abc.ABC):
     self.mesh = mesh
 
   def configure(self, cfg: Any) -> None:
-    """Reads this backend's options from the run config `cfg` (the plain backends have none)."""
-    del cfg
+    """Reads this backend's options from the run config `cfg` (the plain backends have none).
+
+    Raises:
+      ConfigError: `cfg` sets `quantization`, which only the `cpu` backend's kernels read.
+    """
+    if cfg.get("quantization", ""):
+      raise ConfigError(
+          f"quantization={cfg.quantization!r} needs kernel_backend=cpu (its kernels read int8 weights);"
+          f" kernel_backend={self.name} reads the weights in weight_dtype: leave quantization empty"
+      )
 
   def project(
       self,
@@ -140,6 +148,11 @@ class KernelBackend(abc.ABC):
   def compiler_options(self, num_tokens: int) -> dict[str, str]:  # pylint: disable=unused-argument  # none here
     """XLA compile options for a step program of `num_tokens` (padded) tokens ({}: XLA's defaults)."""
     return {}
+
+  def load_kernels(self) -> bool | None:
+    """Loads and registers the backend's native kernels (called before a stored program that may call them is
+    loaded); returns whether they are available, None when the backend has none (the default)."""
+    return None
 
   def place_params(self, arrays: Sequence[jax.Array]) -> Callable[[], int] | None:  # pylint: disable=unused-argument
     """Work on the memory of the parameters' buffers `arrays`, for the runner to run in a thread once its first

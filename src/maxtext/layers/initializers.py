@@ -39,23 +39,34 @@ def _hash_uniform(key: jax.Array, *, shape: tuple[int, ...], dtype: np.dtype, st
   return (unit * (_SQRT3 * std) + mean).reshape(shape).astype(dtype)
 
 
-def draw_key(rngs: nnx.Rngs) -> jax.Array:
-  """Next key of the `params` stream, computed eagerly when the stream is concrete.
+class ShapeOnlyRngs:
+  """Stands in for `nnx.Rngs` when a model is built for its shapes only (`abstract_model`, under `nnx.eval_shape`).
+
+  Its draws are None, and `uniform` then traces one zeros op instead of a key derivation and a hash: the values are
+  thrown away, and on a model of a few hundred parameters the keys alone are most of the build.
+  """
+
+
+def draw_key(rngs: nnx.Rngs | ShapeOnlyRngs) -> jax.Array | None:
+  """Next key of the `params` stream, computed eagerly when the stream is concrete; None for `ShapeOnlyRngs`.
 
   Under `nnx.eval_shape` / `jax.jit`, every traced update of the stream's counter makes flax walk the whole
   trace (quadratic in the number of parameters, so the largest configs would spend most of their build there).
   Drawing the key at compile time keeps the counter concrete; with a traced stream (an `Rngs` passed into `jit`) it
   is traced as usual.
   """
+  if isinstance(rngs, ShapeOnlyRngs):
+    return None
   with jax.ensure_compile_time_eval():
     return rngs.params()
 
 
-def uniform(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype, std: float, mean: float = 0.0) -> jax.Array:
+def uniform(key: jax.Array | None, shape: tuple[int, ...], dtype: jnp.dtype, std: float, mean: float = 0.0) -> jax.Array:
   """Uniform random values with the given mean and standard deviation.
 
   Args:
-    key: a JAX PRNG key (e.g. `draw_key(rngs)`); its words seed the hash.
+    key: a JAX PRNG key (e.g. `draw_key(rngs)`); its words seed the hash. None (`ShapeOnlyRngs`): zeros, for a
+      build whose values are never read.
     shape: result shape (fewer than 2**32 elements).
     dtype: result dtype.
     std: standard deviation.
@@ -67,9 +78,11 @@ def uniform(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype, std: float
   shape = tuple(int(s) for s in shape)
   if math.prod(shape) >= 2**32:
     raise ValueError(f"cannot initialise a parameter of {math.prod(shape)} elements (limit 2**32), shape {shape}")
+  if key is None:
+    return jnp.zeros(shape, dtype)
   return _hash_uniform(key, shape=shape, dtype=np.dtype(dtype), std=float(std), mean=float(mean))
 
 
-def fan_in_uniform(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype, fan_in: int) -> jax.Array:
+def fan_in_uniform(key: jax.Array | None, shape: tuple[int, ...], dtype: jnp.dtype, fan_in: int) -> jax.Array:
   """Zero-mean uniform values with variance `1 / fan_in` (LeCun scaling)."""
   return uniform(key, shape, dtype, 1.0 / math.sqrt(fan_in))

@@ -67,6 +67,7 @@ def test_convert_errors_are_one_line_exit_2(tmp_path, capsys):
     convert.load_converted_config(tmp_path)
 
 
+@pytest.mark.slow
 def test_script_runs_as_a_subprocess(tmp_path):
   env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "src"))
   script = os.path.join(REPO, "scripts", "convert_hf_checkpoint.py")

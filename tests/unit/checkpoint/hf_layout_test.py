@@ -18,7 +18,11 @@ def _run(recipe, sources):
 
 @pytest.mark.parametrize(
     "model_name, overrides",
-    [(name, {}) for name in available_models()]
+    # Each real-size config takes seconds: those run in the slow set, the tiny ones (the same recipes) in the quick one.
+    [
+        (name, {}) if name.endswith("-tiny") else pytest.param(name, {}, marks=pytest.mark.slow)
+        for name in available_models()
+    ]
     + [
         ("qwen3-next-tiny", {"shared_expert_mlp_dim": 0}),
         ("llama-tiny", {"attention_bias": True, "mlp_bias": True}),

@@ -17,6 +17,7 @@ def _model(model_name: str, seed: int = 0, **overrides):
   return cfg, Transformer(cfg, rngs=nnx.Rngs(seed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model_name, weight_dtype",
     [("qwen3-tiny", "float32"), ("qwen3-tiny", "bfloat16"), ("qwen3-next-tiny", "float32"), ("gemma3-tiny", "float32")],
@@ -61,6 +62,7 @@ def test_restore_with_cast_dtype(tmp_path):
   np.testing.assert_array_equal(np.asarray(restored["w"]), params["w"].astype(ml_dtypes.bfloat16))
 
 
+@pytest.mark.slow
 def test_mismatched_restores_fail_clearly(tmp_path):
   cfg, model = _model("qwen3-tiny")
   path = orbax.save_params(tmp_path / "ckpt", model)

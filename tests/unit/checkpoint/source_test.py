@@ -2,6 +2,10 @@
 none, two, or an unknown key. GGUF files are covered in gguf_test.py, beside the writer of tiny GGUF files."""
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -147,3 +151,21 @@ def test_a_broken_tokenizer_config_is_named(tmp_path):
   (tmp_path / "tokenizer_config.json").write_text("{", encoding="utf-8")
   with pytest.raises(ValueError, match="tokenizer_config.json: not valid JSON"):
     source.folder_chat_template(str(tmp_path))
+
+
+_CLI_IMPORTS = """
+import json, sys
+import maxtext.decode_run
+before = "orbax.checkpoint" in sys.modules
+from maxtext.checkpoint import save_params  # the package's Orbax names still resolve, importing Orbax then
+print(json.dumps({"before": before, "after": "orbax.checkpoint" in sys.modules, "module": save_params.__module__}))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter imports JAX
+def test_the_cli_imports_orbax_only_when_a_run_asks_for_it():
+  src = str(pathlib.Path(__file__).resolve().parents[3] / "src")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+  result = subprocess.run([sys.executable, "-c", _CLI_IMPORTS], capture_output=True, text=True, env=env, check=False)
+  assert result.returncode == 0, result.stderr
+  assert json.loads(result.stdout) == {"before": False, "after": True, "module": "maxtext.checkpoint.orbax"}

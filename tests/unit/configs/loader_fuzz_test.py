@@ -50,6 +50,7 @@ def test_property_random_overrides_load_or_raise_config_error(overrides, model):
   _accepts_or_config_error(argv)
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=150, deadline=None)
 @hypothesis.given(key=_TEXT, value=_VALUES)
 def test_property_unknown_or_malformed_arguments_are_config_errors(key, value):
@@ -84,6 +85,7 @@ def fixture_config_copy(tmp_path):
   return base
 
 
+@pytest.mark.slow
 @hypothesis.settings(
     max_examples=150, deadline=None, suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture]
 )

@@ -244,6 +244,7 @@ def test_state_slot_zeroing_compiles_once_when_the_engine_starts():
   assert zero_rows._cache_size() == 1  # pylint: disable=protected-access
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [{}, {"ici_tensor_parallelism": 2}])
 def test_the_cpu_backend_is_the_default_on_one_cpu_device_and_keeps_the_tokens(monkeypatch, mesh):
   """With no backend named, one CPU device runs `cpu` (not a mesh of several: `reference`): decode steps of 1-8
@@ -301,6 +302,7 @@ def _checkpointed_engine(tmp_path, name, **overrides):
   return _engine(name, load_parameters_path=path, **overrides)
 
 
+@pytest.mark.slow
 def test_background_compile_serves_the_first_one_token_greedy_step(tmp_path):
   """A loaded model's one-request greedy decode step compiles while the weights load; decoding then traces no more."""
   prompt, params = _prompts(2, [6])[0], SamplingParams(max_tokens=5, temperature=0.0)
@@ -317,6 +319,7 @@ def test_background_compile_serves_the_first_one_token_greedy_step(tmp_path):
   assert tokens[True] == tokens[False] and len(tokens[True]) == 5
 
 
+@pytest.mark.slow
 def test_a_failed_background_compile_only_logs(tmp_path, monkeypatch, caplog):
   def broken(*args):
     raise ValueError("no batch today")
@@ -335,6 +338,7 @@ def test_dummy_weights_start_no_background_compile():
   assert _engine("llama-tiny")._background_compile is None  # pylint: disable=protected-access
 
 
+@pytest.mark.slow
 def test_huge_page_weights_moves_the_weights_in_a_thread_and_keeps_the_tokens():
   """The move starts after the first step (not while the first programs compile) and keeps the tokens."""
   prompt, params = _prompts(2, [6])[0], SamplingParams(max_tokens=4, temperature=0.0)
@@ -355,6 +359,7 @@ def test_huge_page_weights_moves_the_weights_in_a_thread_and_keeps_the_tokens():
   assert tokens[True] == tokens[False] and len(tokens[True]) == 4
 
 
+@pytest.mark.slow
 def test_huge_page_weights_failure_only_logs(monkeypatch, caplog):
   def broken(ranges):
     raise OSError(f"no madvise for {len(ranges)} ranges")
@@ -372,6 +377,7 @@ def _dense_layers(engine):
   return [layer for _, layer in nnx.iter_modules(engine.model) if isinstance(layer, linears.DenseGeneral)]
 
 
+@pytest.mark.slow
 def test_cpu_weight_panels_put_loaded_kernels_in_panels_and_keep_the_tokens(tmp_path):
   """A loaded model (its structure in panels known before the weights load, for the background compile) and the
   same model row-major: the same tokens, the one-token step compiled once."""

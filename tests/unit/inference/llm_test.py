@@ -254,6 +254,7 @@ def test_the_progress_bar_goes_to_stderr(llm, capsys):
   assert "generating" in captured.err
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_across_engines_and_batches():
   prompt = [200, 201, 202, 203]
   seeded = SamplingParams(max_tokens=8, temperature=1.5, seed=7)

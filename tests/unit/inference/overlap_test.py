@@ -76,6 +76,7 @@ def _workload(engine, stop_token=None):
   return [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny", "qwen3.5-tiny"])
 def test_overlapped_steps_give_the_tokens_and_books_of_steps_one_after_the_other(name):
   off, on = _engine(name, False), _engine(name, True)
@@ -110,6 +111,7 @@ def _run_one(engine, prompt, params):
   return _run(engine)[rid].output_token_ids
 
 
+@pytest.mark.slow
 def test_an_abort_while_a_step_ahead_is_in_flight_drops_only_that_request():
   off, on = _engine("qwen3.5-tiny", False), _engine("qwen3.5-tiny", True)
   expected = _finish(off)
@@ -127,6 +129,7 @@ def test_an_abort_while_a_step_ahead_is_in_flight_drops_only_that_request():
   assert kv_cache_checks.all_free(on.manager)
 
 
+@pytest.mark.slow
 def test_a_request_added_while_a_step_ahead_is_in_flight_gets_its_solo_tokens():
   on = _engine("gemma3-tiny", True)
   late_prompt = _prompts(7, (10,))[0]
@@ -142,6 +145,7 @@ def test_a_request_added_while_a_step_ahead_is_in_flight_gets_its_solo_tokens():
   assert kv_cache_checks.all_free(on.manager)
 
 
+@pytest.mark.slow
 def test_no_step_is_planned_ahead_while_requests_wait_or_for_prefix_caching_state_blocks():
   # max_num_seqs=1: the other requests wait, so every step is scheduled (one may be planned ahead only for the
   # last request).

@@ -105,6 +105,7 @@ def test_page_sizes_and_request_order(block_size):
   _check(b, out, new_cache, sm_scale=0.2)
 
 
+@pytest.mark.slow
 def test_a_long_prefill_takes_the_threaded_path_and_equals_the_jax_attention():
   """Enough work for the helper threads (64 queries x 4 KV heads x up to 300 keys); same as the pure-JAX path."""
   b = _make_batch(3, ((236, 64), (40, 1)), hq=8, hkv=4, d=64, block_size=16, num_tokens=72, max_reqs=3)

@@ -105,6 +105,7 @@ def test_get_padded_num_heads_rejects_uneven_split(num_heads, shards, match):
     kv_cache_layout.get_padded_num_heads(num_heads, shards)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "num_heads, head_dim, dtype",
     [

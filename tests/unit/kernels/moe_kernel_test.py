@@ -72,6 +72,7 @@ def test_kernel_matches_float64_reference_and_dense(kernel, num_tokens, num_expe
   np.testing.assert_allclose(out, dense, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", [experts_ragged, experts_tiled], ids=["ragged", "tiled"])
 def test_kernel_in_bfloat16_is_close_to_the_float64_reference(kernel):
   x, weights, indices, wg, wu, wd = _case(12, 8, 2, seed=3)

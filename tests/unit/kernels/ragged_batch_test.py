@@ -60,6 +60,7 @@ def test_check_ragged_metadata(num_requests, qsl_shape, dist_shape, match):
     ragged_batch.check_ragged_metadata(num_requests, jnp.zeros(qsl_shape), jnp.zeros(dist_shape), "where")
 
 
+@pytest.mark.slow
 def test_align_state_indices_read_the_last_computed_block_and_write_the_last_new_one():
   # Block size 4, 4 columns per request: a decode crossing into block 2, a chunk inside block 1, a fresh prefill,
   # a chunk resuming from a hit at 8, one padded row.
@@ -114,6 +115,7 @@ def test_materialize_returns_its_values_and_stays_a_separate_computation():
   assert "conditional" in fn.lower(values, jnp.array([2, 2, 5], jnp.int32)).compile().as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [[2], [4], [1, 4, 0]])
 def test_set_rows_writes_in_range_rows_in_place(rows):
   """Like `.at[].set(mode="drop")`, and a single row stays a scatter (no copy of the target via a

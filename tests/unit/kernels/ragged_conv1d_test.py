@@ -144,6 +144,7 @@ def test_decode_only_batch():
   _check(_make_batch(3, ((4, 1, 2), (9, 1, 4), (2, 1, 6)), num_tokens=4, max_reqs=4), 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_tokens", [1, 4, 8, 9])
 def test_decode_programs_sum_the_taps_without_a_dot(num_tokens):
   """On the cpu backend a step of up to 8 tokens (compiled without YNNPACK's fusions) sums the taps in one fused

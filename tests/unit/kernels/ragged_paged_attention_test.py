@@ -235,6 +235,7 @@ def test_window_soft_cap_and_sinks(options):
   _check(b, out, new_cache, sm_scale=0.3, **{k: v for k, v in options.items() if k != "mask_value"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("query_block_size", [1, 3, 16])
 def test_query_block_size_does_not_change_results(query_block_size):
   """Blocks of 1, 3 (with a remainder) and all tokens agree."""
@@ -387,6 +388,7 @@ def test_default_query_block_size_follows_tokens_per_request(num_tokens, num_seq
   assert rpa.default_query_block_size(num_tokens, num_seqs) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("query_block_size", [1, 2, 3, 5, 16])
 @pytest.mark.parametrize("seed", range(4))
 def test_work_items_cover_every_request_split(seed, query_block_size):

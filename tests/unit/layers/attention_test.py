@@ -165,6 +165,7 @@ def test_attention_mask_sliding_window_keeps_i_minus_w_exclusive():
   np.testing.assert_array_equal(np.asarray(attention_mask(idx, idx)), np.tril(np.ones((6, 6), bool)))
 
 
+@pytest.mark.slow
 def test_sliding_window_changes_output_only_beyond_the_window():
   full, window = _make(), _make(window=4)
   x = jnp.asarray(np.random.default_rng(2).normal(size=(1, 10, D)), jnp.float32)
@@ -174,6 +175,7 @@ def test_sliding_window_changes_output_only_beyond_the_window():
   assert np.all(np.abs(np.asarray(a[0, 4:] - b[0, 4:])).max(-1) > 1e-4)
 
 
+@pytest.mark.slow
 def test_kv_shared_layer_has_no_kv_params_and_uses_the_given_kv():
   source, shared = _make(0, qk_norm=True, zc=True), _make(1, qk_norm=True, zc=True, shared=True)
   names = set(module_params(shared))
@@ -204,6 +206,7 @@ def test_kv_sharing_errors():
     own(x, pos, shared_kv=kv)
 
 
+@pytest.mark.slow
 def test_dot_product_attention_bfloat16_stays_close_to_float32():
   rng = np.random.default_rng(4)
   q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(1, 5, 4, 8), (1, 5, 2, 8), (1, 5, 2, 8)])

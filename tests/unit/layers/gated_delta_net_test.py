@@ -47,6 +47,7 @@ def _inputs(t, seed=0, bsz=2, h=3, dk=8, dv=5):
   return q, k, v, g, beta, s0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t,chunk", [(1, 8), (8, 8), (19, 8), (70, 64)])
 def test_chunked_and_recurrent_match_float64_recurrence(t, chunk):
   q, k, v, g, beta, s0 = _inputs(t)
@@ -79,6 +80,7 @@ def test_chunked_rejects_bad_chunk_size():
     delta_rule_chunked(q, k, v, g, beta, chunk_size=0)
 
 
+@pytest.mark.slow
 def test_causal_conv1d_and_state_continuation():
   rng = np.random.default_rng(2)
   x = rng.normal(size=(2, 9, 6)).astype(np.float32)
@@ -184,6 +186,7 @@ def test_layer_chunked_and_recurrent_match_float64_reference(t):
     np.testing.assert_allclose(shared, ref, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_prefill_then_token_by_token_decode_matches_full_sequence():
   layer = _make(chunk=4, seed=1)
   x = jnp.asarray(np.random.default_rng(5).normal(size=(1, 14, D)), jnp.float32)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtext.layers.initializers import fan_in_uniform, uniform
+from maxtext.layers.initializers import ShapeOnlyRngs, draw_key, fan_in_uniform, uniform
 
 
 def test_uniform_is_deterministic_per_key_and_has_requested_moments():
@@ -40,3 +40,12 @@ def test_abstract_evaluation_allocates_nothing():
 def test_rejects_parameters_beyond_the_counter_range():
   with pytest.raises(ValueError, match=r"cannot initialise a parameter of 4294967296 elements \(limit 2\*\*32\)"):
     jax.eval_shape(lambda: uniform(jax.random.key(0), (2**16, 2**16), jnp.float32, 1.0))
+
+
+def test_shape_only_rngs_draw_no_key_and_give_zeros_of_the_shape():
+  assert draw_key(ShapeOnlyRngs()) is None
+  x = fan_in_uniform(draw_key(ShapeOnlyRngs()), (3, 5), jnp.bfloat16, fan_in=3)
+  assert x.shape == (3, 5) and x.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(x, np.float32), np.zeros((3, 5), np.float32))
+  with pytest.raises(ValueError, match="limit 2\\*\\*32"):
+    uniform(None, (2**16, 2**16), jnp.float32, std=1.0)

@@ -48,6 +48,7 @@ def _x(t, seed=1, b=1):
   return jnp.asarray(np.random.default_rng(seed).normal(size=(b, t, D)), jnp.float32)
 
 
+@pytest.mark.slow
 def test_chunked_and_recurrent_scans_agree_with_the_float64_reference(mixer):
   x = _x(11)  # 11 tokens: two full chunks of 4 and a padded one
   chunked = np.asarray(mixer(x, chunked=True)[0][0])
@@ -199,6 +200,7 @@ def test_tpu_inference_backend_refuses_mamba_layers():
     backend.mamba2_attention(*([None] * 19))
 
 
+@pytest.mark.slow
 def test_dense_forward_is_jittable(mixer):
   x = _x(5)
   np.testing.assert_allclose(jax.jit(lambda v: mixer(v)[0])(x), mixer(x)[0], atol=1e-6, rtol=0)

@@ -86,6 +86,7 @@ def test_moe_matches_reference(method, normalize, shared):
   np.testing.assert_allclose(out, ref, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_shared_expert_output_is_scaled_by_sigmoid_gate_per_token():
   layer = MoE(8, 4, 1, 6, shared_mlp_dim=5, rngs=nnx.Rngs(2))
   x = jnp.asarray(np.random.default_rng(3).normal(size=(4, 8)), jnp.float32)
@@ -98,6 +99,7 @@ def test_shared_expert_output_is_scaled_by_sigmoid_gate_per_token():
   np.testing.assert_allclose(np.asarray(layer(x)), routed + gate * shared, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cpu_gemm.unsupported_reason() is not None, reason="the kernel needs x86-64 with AVX2 and FMA")
 @pytest.mark.parametrize("gate_shared", [True, False])
 def test_shared_expert_projections_take_one_kernel_call(monkeypatch, gate_shared):
@@ -126,6 +128,7 @@ def test_shared_expert_projections_take_one_kernel_call(monkeypatch, gate_shared
   np.testing.assert_array_equal(together, alone)
 
 
+@pytest.mark.slow
 def test_dense_and_gather_agree_in_bfloat16():
   rng = np.random.default_rng(4)
   x = jnp.asarray(rng.normal(size=(7, 8)), jnp.bfloat16)

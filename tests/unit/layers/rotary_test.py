@@ -90,6 +90,7 @@ def test_apply_rope_full_and_partial_matches_reference(rotary_dim, theta):
   np.testing.assert_array_equal(out[..., rotary_dim:], x[..., rotary_dim:])
 
 
+@pytest.mark.slow
 def test_two_thetas_give_different_rotations():
   x = jnp.ones((1, 6, 1, 16))
   pos = jnp.arange(6)[None]
@@ -99,6 +100,7 @@ def test_two_thetas_give_different_rotations():
   np.testing.assert_array_equal(np.asarray(local[:, 0]), np.asarray(x[:, 0]))  # position 0 is the identity
 
 
+@pytest.mark.slow
 def test_apply_rope_bfloat16_keeps_dtype():
   x = jnp.ones((4, 2, 8), jnp.bfloat16)
   out = apply_rope(x, jnp.arange(4), RopeSpec(8, 10000.0))

@@ -236,6 +236,7 @@ def _chunked_schedule(reqs, chunk):
   return steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_one_prefill_then_decodes(name):
   cfg, model = _model(name)
@@ -259,6 +260,7 @@ def test_chunked_prefill_then_token_by_token(name, chunk):
   _check(h, model, reqs, _chunked_schedule(reqs, chunk))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma3-tiny", "kvshare-tiny", "gpt-oss-tiny"])
 def test_sliding_window_blocks_freed_and_reused_still_match(name):
   cfg, model = _model(name)
@@ -287,6 +289,7 @@ def test_groups_get_different_block_tables():
   assert len(h.groups) == 2 and h.tables[(0, 0)] != h.tables[(0, 1)]
 
 
+@pytest.mark.slow
 def test_kv_shared_layer_reads_the_cache_its_source_just_wrote():
   cfg, model = _model("kvshare-tiny")
   shared = [i for i, s in enumerate(cfg.kv_shared_source) if s >= 0]

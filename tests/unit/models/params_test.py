@@ -19,6 +19,7 @@ def _qwen3_next():
   return cfg, Transformer(cfg, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_flat_param_shapes_match_the_built_model(qwen3_next):
   cfg, model = qwen3_next
   shapes = flat_param_shapes(cfg)
@@ -54,6 +55,7 @@ def test_assign_accepts_a_mapping_and_casts_on_request():
   assign_params(target, {k: v.astype(ml_dtypes.bfloat16) for k, v in arrays.items()})
 
 
+@pytest.mark.slow
 def test_assign_moves_host_arrays_without_compiling_and_keeps_device_arrays(caplog):
   """Host arrays go to the device by `device_put` (`jnp.asarray` compiles a program per new shape); device arrays
   are kept as they are, or cast when their dtype differs."""

@@ -18,6 +18,7 @@ from maxtext.testing.param_checks import param_count, params_are_sharded_as_conf
 TINY = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "kvshare-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "gpt-oss-tiny"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TINY + ["llama3.1-8b", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "gemma3-4b"])
 def test_every_parameter_has_logical_axes_of_its_rank(name):
   cfg = load_config(model_name=name)
@@ -80,6 +81,7 @@ def test_bad_axis_rules_name_the_key(rules, match):
     load_config(logical_axis_rules=rules)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, tp, ep", [("qwen3-tiny", 4, 1), ("qwen3-next-tiny", 2, 2), ("gemma3-tiny", 2, 1)])
 def test_sharded_creation_gives_the_unsharded_values_in_their_shardings(name, tp, ep):
   cfg = load_config(model_name=name, ici_tensor_parallelism=tp, ici_expert_parallelism=ep)
@@ -125,6 +127,7 @@ def _norm_bytes(cfg):
   return sum(math.prod(s.shape) * s.dtype.itemsize for n, s in shapes.items() if n.endswith("norm.scale"))
 
 
+@pytest.mark.slow
 def test_real_size_parameters_per_chip_under_eval_shape():
   # Llama 3.1 8B, bf16, tensor parallel 8: every matrix splits 8 ways (8 KV heads, 32 query heads, vocab 128256,
   # MLP 14336); only the norm scales are replicated.
@@ -141,6 +144,7 @@ def test_real_size_parameters_per_chip_under_eval_shape():
   assert total / 8 < per_chip < total / 6
 
 
+@pytest.mark.slow
 def test_sharded_engine_caches_keep_their_shardings_through_steps():
   llm = LLM(model_name="qwen3.5-tiny", ici_tensor_parallelism=2, max_num_seqs=2, num_kv_blocks=32)
   before = jax.tree_util.tree_leaves(llm.engine.kv_caches)
@@ -153,6 +157,7 @@ def test_sharded_engine_caches_keep_their_shardings_through_steps():
   assert isinstance(llm.engine.kv_caches[0], tuple) and jnp.issubdtype(llm.engine.kv_caches[0][1].dtype, jnp.floating)
 
 
+@pytest.mark.slow
 def test_a_runner_mesh_without_the_expert_axis_shards_as_if_it_had_size_1():
   """tpu-inference's default mesh is `('data', 'model')` (`runner/tpu_runner.py::_create_2d_mesh`): no `expert`."""
   cfg = load_config(model_name="qwen3-next-tiny", ici_tensor_parallelism=2)

@@ -153,6 +153,7 @@ def test_forward_is_finite_and_matches_float64_reference(family):
     np.testing.assert_allclose(np.asarray(logits[b]), model_forward(cfg, params, tokens[b]), atol=atol)
 
 
+@pytest.mark.slow
 def test_biases_and_soft_caps_match_float64_reference():
   cfg = load_config(
       model_name="qwen3-tiny",
@@ -172,6 +173,7 @@ def test_biases_and_soft_caps_match_float64_reference():
   np.testing.assert_allclose(logits, model_forward(cfg, params, tokens[0]), atol=3e-5)
 
 
+@pytest.mark.slow
 def test_forward_is_causal(family):
   _, cfg, model, tokens, logits = family
   changed = tokens.copy()
@@ -181,17 +183,20 @@ def test_forward_is_causal(family):
   assert np.all(np.abs(np.asarray(other[:, 13:] - logits[:, 13:])).max(-1) > 1e-4)
 
 
+@pytest.mark.slow
 def test_parameter_names_and_shapes_match_interfaces(family):
   _, cfg, model, _, _ = family
   got = {k: tuple(v.shape) for k, v in get_flat_params(model).items()}
   assert got == expected_param_shapes(cfg)
 
 
+@pytest.mark.slow
 def test_param_count_equals_sum_of_parameter_sizes(family):
   _, cfg, model, _, _ = family
   assert param_count(cfg) == sum(int(np.prod(v.shape)) for v in get_flat_params(model).values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TINY)
 def test_bfloat16_weight_dtype_gives_bfloat16_params(name):
   model = abstract_model(load_config(model_name=name, weight_dtype="bfloat16"))
@@ -261,6 +266,7 @@ def test_untied_head():
   np.testing.assert_array_equal(np.asarray(model.embed(jnp.array([3]))[0]), np.asarray(model.embedder.embedding[3]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma3-tiny", "qwen3.5-tiny"])
 def test_bfloat16_compute_tracks_float32(name):
   m32 = Transformer(load_config(model_name=name), rngs=nnx.Rngs(0))
@@ -336,6 +342,7 @@ REAL = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", REAL)
 def test_real_config_parameter_counts(name):
   expected_fn, headline = REAL[name]
@@ -346,8 +353,25 @@ def test_real_config_parameter_counts(name):
     assert count == 8_030_261_248
 
 
+@pytest.mark.slow
 def test_param_count_allocates_nothing():
   cfg = load_config(model_name="qwen3-next-80b-a3b")
   model = abstract_model(cfg)
   leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
   assert leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-next-tiny", "gpt-oss-tiny", "bamba-tiny"])
+def test_abstract_model_has_the_structure_of_a_randomly_initialised_one(name):
+  # abstract_model draws no keys (ShapeOnlyRngs); its tree, shapes and dtypes must still be a real build's.
+  cfg = load_config(model_name=name)
+  abstract = abstract_model(cfg)
+  seeded = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_seed)))
+  # The node tree (a graphdef would also compare the layers' functools.partial attributes, equal only by identity).
+  assert [(path, type(node)) for path, node in nnx.iter_graph(abstract)] == [
+      (path, type(node)) for path, node in nnx.iter_graph(seeded)
+  ]
+  got = {k: (tuple(v.shape), v.dtype) for k, v in get_flat_params(abstract).items()}
+  assert got == {k: (tuple(v.shape), v.dtype) for k, v in get_flat_params(seeded).items()}
+  state = jax.tree_util.tree_leaves(nnx.state(abstract))
+  assert state and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in state)

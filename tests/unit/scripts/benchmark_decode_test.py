@@ -32,6 +32,7 @@ def test_quick_run_reports_every_model_peer_and_batch_with_transformers_tokens(c
       "new_tokens": 4,
       "repeats": 1,
       "paired_rounds": 2,
+      "maxtext_variants": {"maxtext": []},
   }
   probes = report["bandwidth"]["probes_gb_per_s"]
   assert len(probes) == 4 and min(probes) > 0  # before the first checkpoint and after each of the three
@@ -48,12 +49,12 @@ def test_quick_run_reports_every_model_peer_and_batch_with_transformers_tokens(c
   ]
   for row in rows:
     if row["peer"] == baseline:
-      assert row["tokens_per_s"] > 0 and row["same_tokens_as_transformers"] == 1.0
+      assert row["tokens_per_s"] > 0 and row["same_tokens_as_reference"] == 1.0
       assert "ratio_to_baseline" not in row and "ratio_to_best_peer" not in row
       continue
     assert row["tokens_per_s"] > 0 and row["first_call_s"] > 0 and 0 < row["roofline_share"]
     # Same seeded checkpoint and prompts, greedy: this package must pick transformers' tokens.
-    assert row["same_tokens_as_transformers"] == 1.0, row
+    assert row["reference"] == "transformers" and row["same_tokens_as_reference"] == 1.0, row
     if row["peer"] == "maxtext":
       assert row["recompilations"] == 0 and row["ratio_to_best_peer"] > 0
       assert row["ratio_to_baseline"] > 0 and row["same_tokens_as_baseline"] == 1.0
@@ -103,7 +104,7 @@ def test_table_marks_peers_that_did_not_run():
           "decode_step_s": 0.0125,
           "decode_step_roofline_share": 0.5,
           "paired_step_roofline_share": 0.75,
-          "same_tokens_as_transformers": 1.0,
+          "same_tokens_as_reference": 1.0,
           "ratio_to_best_peer": 0.5,
           "warm_load_s": 0.5,
           "warm_first_call_s": 0.75,
@@ -117,7 +118,7 @@ def test_table_marks_peers_that_did_not_run():
           "first_call_s": 2.0,
           "recompilations": 0,
           "roofline_share": 0.25,
-          "same_tokens_as_transformers": 1.0,
+          "same_tokens_as_reference": 1.0,
           "warm_error": "exit status 1: no cache",
       },
       {"model": "llama", "peer": "vllm", "batch": None, "error": "exit status 1: boom"},
@@ -130,7 +131,7 @@ def test_table_marks_peers_that_did_not_run():
           "first_call_s": 2.0,
           "recompilations": None,
           "roofline_share": 0.3,
-          "same_tokens_as_transformers": 1.0,
+          "same_tokens_as_reference": 1.0,
       },
   ]
   lines = benchmark.format_table(rows).splitlines()
@@ -225,12 +226,15 @@ def test_a_worker_runs_with_the_given_source_tree_first_on_its_path(tmp_path):
   assert default["PYTHONPATH"].split(":")[0] == str(_SCRIPT.parents[1] / "src")
 
 
-def test_vllm_is_reported_missing_from_an_interpreter_without_it():
-  ok, why = _load_benchmark().vllm_available(sys.executable)
-  assert not ok and "vllm" in why
+@pytest.mark.parametrize("module", ["vllm", "llama_cpp"])
+def test_a_peer_is_reported_missing_from_an_interpreter_without_it(module):
+  ok, why = _load_benchmark().peer_available(sys.executable, module)
+  assert not ok and module in why
 
 
-@pytest.mark.parametrize("argv", [["--batches", "0"], ["--peers", "tgi"], ["--models", "gpt2"]])
+@pytest.mark.parametrize(
+    "argv", [["--batches", "0"], ["--peers", "tgi"], ["--models", "gpt2"], ["--maxtext-variants", "float16"]]
+)
 def test_benchmark_rejects_bad_arguments(argv):
   with pytest.raises(SystemExit) as exit_info:
     _load_benchmark().main(argv)
@@ -259,3 +263,75 @@ def test_paired_share_is_the_median_of_the_rounds_against_their_own_bandwidth():
   assert row["paired_step_roofline_share"] == pytest.approx(0.25)
   assert row["paired_gb_per_s"] == [1.0, 2.0, 4.0]
   assert row["decode_step_roofline_share"] == pytest.approx(0.5e-3 / 0.004)  # against the run's 2 GB/s
+
+
+def test_the_gguf_model_compares_variants_with_float32_and_has_no_roofline():
+  """smollm2's rows: `same` against this package's float32 tokens, `vs best` of every variant against llama.cpp,
+  no roofline (the checkpoint has no tensor sizes), a variant whose key the config refused is one row of its own."""
+  benchmark = _load_benchmark()
+  peers = {
+      "maxtext": _peer(50.0, [[1, 2, 3]]),
+      "maxtext:int8w": _peer(80.0, [[1, 2, 4]]),
+      "maxtext:bfloat16": {"error": "exit status 1: ConfigError: unknown key quantization"},
+      benchmark.LLAMA_CPP: _peer(64.0, [[1, 2, 3]]),
+  }
+  rows = {row["peer"]: row for row in benchmark.summarize("smollm2", {"prompt_ids": [1]}, {}, peers, 10.0, "maxtext")}
+  assert rows["maxtext"]["same_tokens_as_reference"] == 1.0 and rows["maxtext:int8w"]["same_tokens_as_reference"] == 0
+  assert rows[benchmark.LLAMA_CPP]["same_tokens_as_reference"] == 1.0
+  assert all(rows[p]["reference"] == "maxtext" for p in ("maxtext", "maxtext:int8w", benchmark.LLAMA_CPP))
+  assert rows["maxtext"]["ratio_to_best_peer"] == pytest.approx(50 / 64)
+  assert rows["maxtext:int8w"]["ratio_to_best_peer"] == pytest.approx(80 / 64)
+  assert "ratio_to_best_peer" not in rows[benchmark.LLAMA_CPP]
+  assert rows["maxtext"]["roofline_share"] is None and rows["maxtext"]["decode_step_roofline_share"] is None
+  lines = benchmark.format_table([rows["maxtext:int8w"], rows["maxtext:bfloat16"]]).splitlines()
+  assert lines[2].split()[:5] == ["smollm2", "maxtext:int8w", "1", "80.0", "1.25"] and lines[2].split()[10] == "-"
+  assert lines[3].endswith("not run: exit status 1: ConfigError: unknown key quantization")
+
+
+@pytest.mark.parametrize(
+    "job, kind, error",
+    [
+        ("llamacpp", "GGUF", "llamacpp runs the smollm2 GGUF model only"),
+        ("vllm", "random", "vllm runs the random checkpoints only"),
+    ],
+)
+def test_a_peer_that_cannot_run_a_model_is_a_row_without_a_worker(job, kind, error):
+  run_job = _load_benchmark()._run_job  # pylint: disable=protected-access
+  assert run_job(job, kind, [], {}, [], {}, 1.0) == {"error": error}
+
+
+def _llama_python() -> str:
+  """The llama.cpp venv's interpreter when scripts/setup_llama_cpp_env.sh built it, else this one (then the peer is
+  reported missing)."""
+  venv = Path.home() / ".cache" / "maxtext" / "llama-cpp-python-0.3.36"
+  return str(venv / "bin" / "python") if (venv / ".maxtext-complete").is_file() else sys.executable
+
+
+@pytest.mark.slow
+def test_quick_run_on_the_example_model_runs_each_variant_and_fails_an_unknown_key_alone(example_gguf, capsys):
+  del example_gguf  # fetched once; the benchmark finds it in the same cache
+  benchmark = _load_benchmark()
+  python = _llama_python()
+  argv = ["--quick", "--json", "--models", "smollm2", "--peers", "maxtext", "llamacpp", "--llama-python", python]
+  argv += ["--maxtext-variants", "float32", "bfloat16", "no_such_key=1", "--paired-rounds", "1"]
+  assert benchmark.main(argv) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["settings"]["maxtext_variants"] == {
+      "maxtext": [],
+      "maxtext:bfloat16": ["weight_dtype=bfloat16"],
+      "maxtext:no_such_key=1": ["no_such_key=1"],
+  }
+  assert "through the chat template" in report["notes"]["smollm2"]
+  rows = {(r["peer"], r["batch"]): r for r in report["results"]}
+  assert "no_such_key" in rows[("maxtext:no_such_key=1", None)]["error"]
+  for peer in ("maxtext", "maxtext:bfloat16") + (("llamacpp",) if python != sys.executable else ()):
+    for batch in (1, 2):
+      row = rows[(peer, batch)]
+      assert row["tokens_per_s"] > 0 and row["roofline_share"] is None and row["reference"] == "maxtext"
+      assert 0 <= row["same_tokens_as_reference"] <= 1
+  assert rows[("maxtext", 1)]["same_tokens_as_reference"] == 1.0 and rows[("maxtext", 1)]["recompilations"] == 0
+  assert rows[("maxtext", 2)]["warm_same_tokens"] == 1.0
+  if python == sys.executable:
+    assert "llama_cpp" in report["notes"]["llamacpp"] and not any(peer == "llamacpp" for peer, _ in rows)
+  else:
+    assert "batch N = N sequences" in report["notes"]["llamacpp"]

@@ -23,6 +23,7 @@ PAGE = 16 * 2 * 2 * 128 * 4
 GPT_OSS_PAGE = 16 * 2 * 2 * 64 * 4
 
 
+@pytest.mark.slow
 def test_quick_run_counts_blocks_per_group_and_writes_the_plot(capsys, tmp_path):
   benchmark = _load_benchmark()
   png = tmp_path / "memory.png"

@@ -18,6 +18,7 @@ def _load_benchmark():
   return module
 
 
+@pytest.mark.slow
 def test_quick_run_times_both_forms_and_they_agree(capsys):
   benchmark = _load_benchmark()
   assert benchmark.main(["--quick", "--json"]) == 0

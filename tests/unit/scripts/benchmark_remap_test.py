@@ -16,6 +16,7 @@ def _load_benchmark():
   return module
 
 
+@pytest.mark.slow
 def test_benchmark_json_reports_every_case_with_equal_program_sizes(capsys):
   benchmark = _load_benchmark()
   assert benchmark.main(["--layers", "8", "--repeats", "2", "--json"]) == 0
@@ -29,12 +30,14 @@ def test_benchmark_json_reports_every_case_with_equal_program_sizes(capsys):
   assert all(row["compile_s"] > 0 and row["step_ms_min"] <= row["step_ms_mean"] for row in results)
 
 
+@pytest.mark.slow
 def test_quick_json_runs_every_layout_at_8_layers(capsys):
   assert _load_benchmark().main(["--quick", "--json"]) == 0
   report = json.loads(capsys.readouterr().out)
   assert report["repeats"] == 2 and [row["layers"] for row in report["results"]] == [8] * 4
 
 
+@pytest.mark.slow
 def test_benchmark_table(capsys):
   benchmark = _load_benchmark()
   assert benchmark.main(["--layers", "4", "--layouts", "hybrid", "--repeats", "1"]) == 0

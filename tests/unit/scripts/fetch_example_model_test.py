@@ -60,6 +60,7 @@ def test_a_corrupt_file_is_replaced(tmp_path, fetcher):
   assert Path(module.fetch(str(cache), **keys)).read_bytes() == PAYLOAD
 
 
+@pytest.mark.slow
 def test_a_wrong_checksum_leaves_nothing_in_the_cache(tmp_path, fetcher):
   module, _, keys = fetcher
   cache = tmp_path / "cache"

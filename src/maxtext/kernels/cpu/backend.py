@@ -2,10 +2,11 @@
 
 The kernels (`cpu_gemm`: small-batch and column-panel products, routed experts; `cpu_attention`; `cpu_gated_delta`;
 `cpu_mamba2`) are compiled from the sources in this folder on first use (`cpu_gemm.load`). Each op takes the
-kernel when its `applies` says the operands fit (float32, the sizes the kernel takes, the library loaded) and the
-reference backend's pure-JAX op otherwise, so the results are the reference's within float32 rounding and a
-machine without a compiler or AVX2 runs the reference ops. The runner hooks: `prepare_params` stores the float32
-dense kernels in column panels (`cpu_weight_panels`), `compiler_options` turns YNNPACK's fusions off for steps of
+kernel when its `applies` says the operands fit (float32 activations, float32 or - for the dense products - bfloat16
+weights read as stored, the sizes the kernel takes, the library loaded) and the reference backend's pure-JAX op
+otherwise, so the results are the reference's within float32 rounding and a machine without a compiler or AVX2 runs
+the reference ops. The runner hooks: `prepare_params` stores the float32 and bfloat16 dense kernels in column panels
+(`cpu_weight_panels`), `compiler_options` turns YNNPACK's fusions off for steps of
 1 to `cpu_gemm.MAX_ROWS` tokens, and `place_params` moves the weights onto 2 MiB pages (`huge_page_weights`).
 """
 
@@ -29,17 +30,28 @@ from maxtext.kernels.ragged_mamba2 import mamba2_operands
 from maxtext.kernels.ragged_paged_attention import write_kv
 
 PANELS = "panels"  # the layout name of a kernel in column panels (`cpu_gemm.to_panels`)
+PANELS_INT8 = "panels_int8"  # weight-only int8 column panels (`cpu_gemm.to_int8_panels`, `quantization=int8w`)
+INT8W = "int8w"  # the `quantization` value of weight-only int8
 
 
 def to_panels(flat: Any, dtype: jnp.dtype) -> Any:
-  """`flat [K, N]` in column panels, or None when panels do not serve it (not float32 in and out, N not a multiple of
+  """`flat [K, N]` in column panels, in its own dtype, or None when panels do not serve it (a weight dtype the kernel
+  does not read, `cpu_gemm.WEIGHT_DTYPES`; a compute `dtype` other than float32; N not a multiple of
   `cpu_gemm.PANEL` or over `cpu_gemm.MAX_PANEL_COLUMNS`). Takes a `jax.ShapeDtypeStruct` too."""
   n = flat.shape[1]
   if n % cpu_gemm.PANEL or n > cpu_gemm.MAX_PANEL_COLUMNS:
     return None
-  if jnp.dtype(flat.dtype) != jnp.float32 or jnp.dtype(dtype) != jnp.float32:
+  if jnp.dtype(flat.dtype) not in cpu_gemm.WEIGHT_DTYPES or jnp.dtype(dtype) != jnp.float32:
     return None
   return cpu_gemm.to_panels(flat)
+
+
+def to_int8_panels(flat: Any, dtype: jnp.dtype) -> Any:
+  """`flat [K, N]` in weight-only int8 column panels, or None when they do not serve it (K not a multiple of
+  `cpu_gemm.PANEL`, or whatever `to_panels` declines). Takes a `jax.ShapeDtypeStruct` too."""
+  if flat.shape[0] % cpu_gemm.PANEL or to_panels(jax.ShapeDtypeStruct(flat.shape, flat.dtype), dtype) is None:
+    return None
+  return cpu_gemm.to_int8_panels(flat)
 
 
 def kernel_state_slots(  # pylint: disable=too-many-positional-arguments
@@ -79,11 +91,13 @@ class CpuBackend(ReferenceBackend):
     super().__init__(mesh)
     self.weight_panels = True
     self.huge_pages = True
+    self.int8_weights = False
 
   def configure(self, cfg: Any) -> None:
-    """Reads `cpu_weight_panels` and `huge_page_weights` from the run config."""
+    """Reads `cpu_weight_panels`, `huge_page_weights` and `quantization` from the run config."""
     self.weight_panels = bool(cfg.cpu_weight_panels)
     self.huge_pages = bool(cfg.huge_page_weights)
+    self.int8_weights = cfg.get("quantization", "") == INT8W
 
   def project(
       self,
@@ -97,18 +111,18 @@ class CpuBackend(ReferenceBackend):
       dtype: jnp.dtype,
   ) -> tuple[jax.Array, ...]:
     """The reference's products; the kernel takes every kernel at 1 to 8 rows, and kernels in panels at any number
-    of rows, in one call (each result bit for bit that of its own call). The others are XLA dots (a kernel in panels
-    outside the kernel's reach is copied out of them for its dot)."""
+    of rows, in one call (each result bit for bit that of its own call). A float32 or bfloat16 kernel goes to the
+    kernel as it is stored (a weight-only bfloat16 model reads half the bytes; the sums are float32). The others
+    are XLA dots in `dtype` (a kernel in panels outside the kernel's reach is copied out of them for its dot)."""
     for i, layout in enumerate(layouts):
-      if layout not in (None, PANELS):
+      if layout not in (None, PANELS, PANELS_INT8):
         raise ValueError(f"kernel_backend={CPU}: kernels[{i}] is in the unknown layout {layout!r}")
     x = x.astype(dtype)
-    kernels = [kernel.astype(dtype) for kernel in kernels]
     batch_shape, in_shape = x.shape[: x.ndim - num_in_axes], x.shape[x.ndim - num_in_axes :]
     rows, size_in = math.prod(batch_shape), math.prod(in_shape)
     dtypes = (x.dtype, *(kernel.dtype for kernel in kernels))
     small, any_rows = cpu_gemm.applies(rows, *dtypes), cpu_gemm.applies_panels(rows, *dtypes)
-    in_panels = [layout == PANELS for layout in layouts]
+    in_panels = [layout in (PANELS, PANELS_INT8) for layout in layouts]
     on_kernel = [i for i, panels in enumerate(in_panels) if small or (panels and any_rows)]
     ys: list[jax.Array | None] = [None] * len(kernels)
     if on_kernel:
@@ -120,36 +134,57 @@ class CpuBackend(ReferenceBackend):
     contract = ((tuple(range(x.ndim - num_in_axes, x.ndim)), tuple(range(num_in_axes))), ((), ()))
     for i, kernel in enumerate(kernels):
       if ys[i] is None:
-        kernel = cpu_gemm.from_panels(kernel).reshape(in_shape + tuple(out_shapes[i])) if in_panels[i] else kernel
-        ys[i] = jax.lax.dot_general(x, kernel, contract)
+        if in_panels[i]:
+          unpack = cpu_gemm.from_int8_panels if layouts[i] == PANELS_INT8 else cpu_gemm.from_panels
+          kernel = unpack(kernel).reshape(in_shape + tuple(out_shapes[i]))
+        ys[i] = jax.lax.dot_general(x, kernel.astype(dtype), contract)
     return tuple(y if bias is None else y + bias.astype(dtype) for y, bias in zip(ys, biases))
 
   def project_transposed(self, x: jax.Array, table: jax.Array, *, dtype: jnp.dtype) -> jax.Array:
-    """The reference's tied head; the kernel streams the `[V, D]` table at 1 to 8 rows."""
-    x, table = x.astype(dtype), table.astype(dtype)
+    """The reference's tied head; the kernel streams the `[V, D]` table, float32 or bfloat16 as stored, at 1 to 8
+    rows."""
+    x = x.astype(dtype)
     rows = math.prod(x.shape[:-1])
     if cpu_gemm.applies(rows, x.dtype, table.dtype):
       return cpu_gemm.matmul_transposed(x.reshape(rows, x.shape[-1]), table).reshape(x.shape[:-1] + (-1,))
     return super().project_transposed(x, table, dtype=dtype)
 
   def prepare_params(self, model: nnx.Module) -> int:
-    """With `cpu_weight_panels` and the kernel loaded, every float32 dense kernel that panels serve (`to_panels`)
-    goes into column panels, in place (an abstract model too); returns their bytes."""
+    """With `cpu_weight_panels` and the kernel loaded, every float32 or bfloat16 dense kernel of a float32 layer that
+    panels serve (`to_panels`) goes into column panels, in place (an abstract model too); with
+    `quantization=int8w`, into int8 panels where they serve (`to_int8_panels`). Returns the bytes now in a
+    layout."""
     if not self.weight_panels or not cpu_gemm.load():
       return 0
-    return sum(layer.relayout(PANELS, to_panels) for _, layer in nnx.iter_modules(model) if isinstance(layer, Relayable))
+    total = 0
+    for _, layer in nnx.iter_modules(model):
+      if not isinstance(layer, Relayable):
+        continue
+      if self.int8_weights and getattr(layer, "layout", None) in (None, PANELS_INT8):
+        total += layer.relayout(PANELS_INT8, to_int8_panels)
+      if getattr(layer, "layout", None) != PANELS_INT8:
+        total += layer.relayout(PANELS, to_panels)
+    return total
 
   def restore_params(self, model: nnx.Module) -> None:
-    """Every kernel in column panels back to `[*in, *out]` (`from_panels`), in place."""
+    """Every kernel in column panels back to `[*in, *out]` (`from_panels`; int8 panels dequantized to float32,
+    `from_int8_panels`), in place."""
     for _, layer in nnx.iter_modules(model):
-      if isinstance(layer, Relayable) and getattr(layer, "layout", None) == PANELS:
+      layout = getattr(layer, "layout", None) if isinstance(layer, Relayable) else None
+      if layout == PANELS:
         layer.restore_layout(cpu_gemm.from_panels)
+      elif layout == PANELS_INT8:
+        layer.restore_layout(cpu_gemm.from_int8_panels)
 
   def compiler_options(self, num_tokens: int) -> dict[str, str]:
     """YNNPACK's fusions off for steps of 1 to `cpu_gemm.MAX_ROWS` tokens, once the kernel has loaded."""
     if cpu_gemm.small_batch_program(num_tokens) and cpu_gemm.load():
       return cpu_gemm.small_batch_compiler_options()
     return {}
+
+  def load_kernels(self) -> bool:
+    """Builds (once) and registers the C++ kernels with XLA's FFI (`cpu_gemm.load`); whether they are available."""
+    return cpu_gemm.load()
 
   def place_params(self, arrays: Sequence[jax.Array]) -> Callable[[], int] | None:
     """With `huge_page_weights`, the work of backing the buffers of `arrays` with 2 MiB pages (`huge_pages`)."""

@@ -1,4 +1,5 @@
-"""Small-batch fp32 matrix products on x86-64 CPUs: an AVX2 kernel called from XLA programs through XLA's FFI.
+"""Small-batch matrix products on x86-64 CPUs (float32 activations; float32 or bfloat16 weights, summed in float32):
+an AVX2 kernel called from XLA programs through XLA's FFI.
 
 A decode step multiplies one row per request by every weight matrix. XLA's CPU dot packs the weight matrix on every
 call, so with 2 to 8 rows it reads weights at well under the memory bandwidth, and its matrix-vector path for one
@@ -39,6 +40,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +50,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
 # One library; the headers are shared.
-SOURCES = tuple(SOURCE_DIR / name for name in ("small_gemm.cc", "paged_attention.cc", "gated_delta.cc", "mamba2.cc"))
-HEADERS = (SOURCE_DIR / "parallel.h", SOURCE_DIR / "simd.h", SOURCE_DIR / "ragged_state.h")
+SOURCES = tuple(
+    SOURCE_DIR / name for name in ("small_gemm.cc", "expert_gemm.cc", "paged_attention.cc", "gated_delta.cc", "mamba2.cc")
+)
+HEADERS = tuple(SOURCE_DIR / name for name in ("gemm_rows.h", "parallel.h", "simd.h", "ragged_state.h"))
 # Rows of x the small-batch products take (one row is a matrix-vector product); steps of up to this many tokens
 # compile without YNNPACK's fusions (`small_batch_compiler_options`).
 MAX_ROWS = 8
@@ -58,6 +62,14 @@ PANEL = 32  # columns per panel of a weight in column panels (`to_panels`; cpu/s
 # Weights up to this many columns go into panels (`CpuBackend.prepare_params`). A wider one (an untied output head, 32000
 # columns) reads as fast row-major at one row and faster at 8 rows, where the kernel cuts it into column chunks.
 MAX_PANEL_COLUMNS = 8192
+# Weight dtypes the NN and NT products read (x and y are float32): bfloat16 is widened to float32 in registers, so a
+# weight-only bfloat16 model reads half the bytes per token and sums in float32.
+WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# Weight-only int8 (`to_int8_panels`): blocks of PANEL rows (along K) of a panel, one float32 scale per (block, column),
+# packed per block as its PANEL x PANEL int8 weights (row by row) and then its PANEL scales: INT8_BLOCK bytes.
+INT8_BLOCK = PANEL * PANEL + 4 * PANEL
+# Every dtype a weight reaches the NN kernel in: uint8 only as int8 panels.
+KERNEL_DTYPES = WEIGHT_DTYPES + (jnp.dtype(jnp.uint8),)
 TARGETS = {
     "nn": ("maxtext_small_gemm_nn", "MaxtextSmallGemmNN"),
     "nt": ("maxtext_small_gemm_nt", "MaxtextSmallGemmNT"),
@@ -197,33 +209,35 @@ def small_batch_program(num_tokens: int) -> bool:
   return 1 <= num_tokens <= MAX_ROWS
 
 
-def applies(rows: int, *dtypes: jnp.dtype) -> bool:
-  """Whether a product of `rows` rows with these operand dtypes should use the kernel .
+def applies(rows: int, x_dtype: jnp.dtype, *w_dtypes: jnp.dtype) -> bool:
+  """Whether a product of `rows` rows of `x` with weights of these dtypes should use the kernel.
 
-  True for 1 to 8 rows of float32 operands, once `load()` has succeeded.
+  True for 1 to 8 rows of float32 `x` and weights in `KERNEL_DTYPES` (uint8: int8 panels), once `load()` has
+  succeeded.
   """
-  return _serves(rows, 1, MAX_ROWS, dtypes)
+  return _serves(rows, 1, MAX_ROWS, x_dtype, w_dtypes, KERNEL_DTYPES)
 
 
-def applies_panels(rows: int, *dtypes: jnp.dtype) -> bool:
-  """Whether a product of `rows` rows with a weight in column panels should use the kernel .
+def applies_panels(rows: int, x_dtype: jnp.dtype, *w_dtypes: jnp.dtype) -> bool:
+  """Whether a product of `rows` rows of `x` with weights in column panels should use the kernel.
 
-  True for float32 operands and any number of rows (the kernel reads each panel from memory once, 8 rows at a time),
-  once `load()` has succeeded.
+  True for float32 `x`, weights in `KERNEL_DTYPES` (uint8: int8 panels) and any number of rows (the kernel reads
+  each panel from memory once, 8 rows at a time), once `load()` has succeeded.
   """
-  return _serves(rows, 1, rows, dtypes)
+  return _serves(rows, 1, rows, x_dtype, w_dtypes, KERNEL_DTYPES)
 
 
 def applies_experts(rows: int, *dtypes: jnp.dtype) -> bool:
-  """Whether routed experts over `rows` (token, choice) rows should use `expert_matmul` .
+  """Whether routed experts over `rows` (token, choice) rows should use `expert_matmul`.
 
   True for 1 to `MAX_EXPERT_ROWS` rows of float32 operands, once `load()` has succeeded.
   """
-  return _serves(rows, 1, MAX_EXPERT_ROWS, dtypes)
+  return _serves(rows, 1, MAX_EXPERT_ROWS, jnp.float32, dtypes, (jnp.dtype(jnp.float32),))
 
 
-def _serves(rows: int, low: int, high: int, dtypes: tuple[jnp.dtype, ...]) -> bool:
-  return low <= rows <= high and all(jnp.dtype(d) == jnp.float32 for d in dtypes) and load()
+def _serves(rows: int, low: int, high: int, x_dtype, w_dtypes, allowed) -> bool:
+  dtypes_fit = jnp.dtype(x_dtype) == jnp.float32 and all(jnp.dtype(d) in allowed for d in w_dtypes)
+  return low <= rows <= high and dtypes_fit and load()
 
 
 def to_panels(w: jax.Array) -> jax.Array:
@@ -263,6 +277,58 @@ def from_panels(panels: jax.Array) -> jax.Array:
   return jnp.transpose(panels, (1, 0, 2)).reshape(k, count * PANEL)
 
 
+def to_int8_panels(w: Any) -> Any:
+  """`w [K, N]` (float32 or bfloat16) as weight-only int8 column panels, uint8 `[N / PANEL, K / PANEL, INT8_BLOCK]`.
+
+  Block b of panel t covers rows `[PANEL b, PANEL b + PANEL)` and columns `[PANEL t, PANEL t + PANEL)`: each column's
+  scale is the block's largest magnitude in it over 127 (1 for an all-zero column) and its weights are rounded to
+  the nearest multiple of the scale, in [-127, 127]. The block is stored as its int8 weights, row by row, then the
+  float32 scales. Works on a `jax.ShapeDtypeStruct` (the shape only) and on concrete arrays (with NumPy, in place of
+  an XLA program per shape).
+
+  Raises:
+    ValueError: `w` is not 2-D with K and N multiples of `PANEL`.
+  """
+  if len(w.shape) != 2 or w.shape[0] % PANEL or w.shape[1] % PANEL:
+    raise ValueError(f"int8 panels take a 2-D [K, N] weight with K and N multiples of {PANEL}, got shape {w.shape}")
+  k, n = w.shape
+  if isinstance(w, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((n // PANEL, k // PANEL, INT8_BLOCK), jnp.uint8)
+  blocks = np.asarray(w, np.float32).reshape(k // PANEL, PANEL, n // PANEL, PANEL).transpose(2, 0, 1, 3)  # [T, B, k, c]
+  amax = np.max(np.abs(blocks), axis=2)  # [T, B, c]
+  # Contiguous, so that the bytes can be viewed whatever the memory order of `w` (a transposed view, say).
+  scale = np.ascontiguousarray(np.where(amax > 0, amax / 127, 1), np.float32)
+  q = np.ascontiguousarray(np.clip(np.rint(blocks / scale[:, :, None, :]), -127, 127), np.int8)
+  packed = np.concatenate([q.reshape(n // PANEL, k // PANEL, PANEL * PANEL).view(np.uint8), scale.view(np.uint8)], axis=2)
+  return jax.device_put(np.ascontiguousarray(packed))
+
+
+def from_int8_panels(panels: Any) -> Any:
+  """The float32 `[K, N]` weight int8 panels hold (`to_int8_panels`' dequantized inverse: each weight times its
+  scale). NumPy for a concrete array, XLA when traced.
+
+  Raises:
+    ValueError: `panels` is not uint8 `[N / PANEL, K / PANEL, INT8_BLOCK]`.
+  """
+  if panels.ndim != 3 or panels.shape[2] != INT8_BLOCK or panels.dtype != jnp.uint8:
+    raise ValueError(f"int8 panels are uint8 [N / {PANEL}, K / {PANEL}, {INT8_BLOCK}], got {panels.dtype} {panels.shape}")
+  count, blocks, _ = panels.shape
+  if isinstance(panels, jax.core.Tracer):
+    q = jax.lax.bitcast_convert_type(panels[..., : PANEL * PANEL], jnp.int8)
+    scale = jax.lax.bitcast_convert_type(panels[..., PANEL * PANEL :].reshape(count, blocks, PANEL, 4), jnp.float32)
+  else:
+    panels = np.asarray(panels)
+    q = panels[..., : PANEL * PANEL].view(np.int8)
+    scale = np.ascontiguousarray(panels[..., PANEL * PANEL :]).view(np.float32)
+  w = q.reshape(count, blocks, PANEL, PANEL).astype(jnp.float32) * scale.reshape(count, blocks, 1, PANEL)  # [T, B, k, c]
+  return w.transpose(1, 2, 0, 3).reshape(blocks * PANEL, count * PANEL)
+
+
+def is_int8_panels(w: Any) -> bool:
+  """Whether `w` is in int8 panels (a 3-D uint8 array; `to_int8_panels`)."""
+  return len(w.shape) == 3 and jnp.dtype(w.dtype) == jnp.uint8
+
+
 def _check_panels(panels: jax.Array) -> None:
   if panels.ndim != 3 or panels.shape[2] != PANEL:
     raise ValueError(f"column panels have shape [N / {PANEL}, K, {PANEL}], got {panels.shape}")
@@ -272,7 +338,7 @@ def _columns(kind: str, w: jax.Array) -> int:
   """N of a product's weight: `[K, N]` or panels (NN), `[N, K]` (NT)."""
   if kind != "nn":
     return w.shape[0]
-  return w.shape[0] * PANEL if w.ndim == 3 else w.shape[1]
+  return w.shape[0] * PANEL if w.ndim == 3 else w.shape[1]  # panels, float or int8: [N / PANEL, ...]
 
 
 def _call(kind: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -283,6 +349,14 @@ def _call(kind: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 def _check(kind: str, x: jax.Array, w: jax.Array) -> None:
   panels = kind == "nn" and w.ndim == 3
+  if panels and is_int8_panels(w):
+    if w.shape[2] != INT8_BLOCK:
+      raise ValueError(f"int8 panels are uint8 [N / {PANEL}, K / {PANEL}, {INT8_BLOCK}], got {w.shape}")
+    if x.ndim != 2 or x.shape[0] < 1 or x.shape[1] != w.shape[1] * PANEL:
+      raise ValueError(f"small-batch matmul: x {x.shape} does not match int8 panels {w.shape} (K = {PANEL} * axis 1)")
+    if x.dtype != jnp.float32:
+      raise ValueError(f"small-batch matmul takes a float32 x, got x {x.dtype}")
+    return
   if panels:
     _check_panels(w)
   elif x.ndim != 2 or w.ndim != 2:
@@ -294,8 +368,8 @@ def _check(kind: str, x: jax.Array, w: jax.Array) -> None:
   k_axis = 1 if panels or kind == "nt" else 0
   if x.shape[1] != w.shape[k_axis]:
     raise ValueError(f"small-batch matmul: x {x.shape} and w {w.shape} ({kind}) do not share their inner size")
-  if x.dtype != jnp.float32 or w.dtype != jnp.float32:
-    raise ValueError(f"small-batch matmul takes float32 operands, got x {x.dtype} and w {w.dtype}")
+  if x.dtype != jnp.float32 or w.dtype not in WEIGHT_DTYPES:
+    raise ValueError(f"small-batch matmul takes a float32 x and a float32 or bfloat16 w, got x {x.dtype} and w {w.dtype}")
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -303,14 +377,15 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
   Args:
     x: `[M, K]` float32, 1 <= M <= 8 (any M >= 1 with panels).
-    w: `[K, N]` float32, or the same in column panels `[N / PANEL, K, PANEL]` (`to_panels`).
+    w: `[K, N]` float32 or bfloat16 (read as it is, summed in float32), or the same in column panels
+      `[N / PANEL, K, PANEL]` (`to_panels`), or int8 panels (`to_int8_panels`, any M).
 
   Returns:
     `[M, N]` float32.
 
   Raises:
-    ValueError: the operands are not float32 with a 2-D `x` of 1 to 8 rows (any with panels), a 2-D `w` or panels,
-      and the same K.
+    ValueError: `x` is not a float32 2-D array of 1 to 8 rows (any with panels), `w` not a float32 or bfloat16 2-D
+      array or panels, or they differ in K.
   """
   return _call("nn", x, w)
 
@@ -324,7 +399,7 @@ def matmuls(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
 
   Args:
     x: `[M, K]` float32, 1 <= M <= 8 (any M >= 1 when every w is in panels).
-    ws: one or more `[K, N_i]` float32, each row-major or in column panels (`to_panels`).
+    ws: one or more `[K, N_i]` float32 or bfloat16, each row-major or in column panels (`to_panels`).
 
   Returns:
     One `[M, N_i]` float32 per `w`.
@@ -350,7 +425,7 @@ def matmul_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
 
   Args:
     x: `[M, K]` float32, 1 <= M <= 8.
-    w: `[N, K]` float32.
+    w: `[N, K]` float32 or bfloat16 (a weight-only bfloat16 table is read as it is, summed in float32).
 
   Returns:
     `[M, N]` float32.

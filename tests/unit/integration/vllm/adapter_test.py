@@ -77,6 +77,7 @@ def _runner_step(model):
   return call, traces
 
 
+@pytest.mark.slow
 def test_runner_call_returns_the_contract_tuple_and_matches_the_dense_forward():
   model = _model()
   cfg = model.cfg
@@ -97,6 +98,7 @@ def test_runner_call_returns_the_contract_tuple_and_matches_the_dense_forward():
   assert all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(caches))
 
 
+@pytest.mark.slow
 def test_same_map_compiles_once_and_a_reordered_map_retraces():
   model = _model()
   cfg = model.cfg
@@ -140,6 +142,7 @@ def test_wrong_maps_fail_clearly_inside_jit(mutate, error, message):
     call(caches, tokens, _metadata(cfg, tokens), mutate(layer_map))
 
 
+@pytest.mark.slow
 def test_input_checks():
   model = _model("llama-tiny")
   cfg = model.cfg
@@ -201,6 +204,8 @@ RUNNER_ONLY = (
     "overlap_decode_steps",
     "huge_page_weights",
     "cpu_weight_panels",
+    "weight_cache",
+    "weight_cache_max_bytes",
 )
 
 
@@ -342,6 +347,7 @@ def _gemma3_shared_arrays(cfg, tokens, grouped=True):
   )
 
 
+@pytest.mark.slow
 def test_layers_of_different_groups_sharing_one_array_each_keep_their_writes():
   """Each layer reads the shared array as the layers before it left it (not the step's input), so all keep their
   K/V: the logits equal the dense forward, and each group's blocks hold its own layers' K/V."""

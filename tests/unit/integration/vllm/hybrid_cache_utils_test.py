@@ -735,6 +735,7 @@ def _corrupt_name(layer, kind):
 _CORRUPTIONS = ["gap", "duplicate", "bad_name", "non_str_name", "bad_slot_type", "out_of_range", "extra_layer"]
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=400, deadline=None)
 @hypothesis.given(case=_valid_maps(), kind=st.sampled_from(_CORRUPTIONS), data=st.data())
 def test_property_each_corruption_is_rejected_with_its_message(case, kind, data):

@@ -58,6 +58,7 @@ def _positional(inputs):
   return [inputs[n] for n in ("q", "k", "v", "kv_cache", "kv_lens", "page_indices", "cu_q_lens", "distribution")]
 
 
+@pytest.mark.slow
 def test_attention_passes_0_32_0s_arguments_in_order_and_matches_the_reference():
   backend, fake = _backend()
   inputs = _attention_inputs()
@@ -76,6 +77,7 @@ def test_attention_passes_0_32_0s_arguments_in_order_and_matches_the_reference()
   np.testing.assert_array_equal(np.asarray(cache), np.asarray(ref_cache))
 
 
+@pytest.mark.slow
 def test_a_kv_sharing_read_sends_zero_kv_of_the_cache_heads_and_no_update():
   backend, fake = _backend()
   inputs = _attention_inputs(cache_dtype=jnp.bfloat16)
@@ -135,6 +137,7 @@ def _gdn_inputs(seed=0):
   ]
 
 
+@pytest.mark.slow
 def test_gdn_passes_0_32_0s_arguments_in_order_and_matches_the_reference():
   backend, fake = _backend()
   args = _gdn_inputs()
@@ -149,6 +152,7 @@ def test_gdn_passes_0_32_0s_arguments_in_order_and_matches_the_reference():
   np.testing.assert_allclose(np.asarray(rec), np.asarray(ref_rec), atol=F32_TOL)
 
 
+@pytest.mark.slow
 def test_gdn_channels_are_laid_out_per_tensor_parallel_shard():
   # Two head shards: the fake splits channels and heads in halves as the upstream shard_map does; the result must
   # still be the unsharded reference's, with the conv state kept in the per-shard channel order.

@@ -51,6 +51,7 @@ def test_unsupported_reason(machine, flags, reason):
   assert cpu_gemm.unsupported_reason(machine, flags) == reason
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_build_reuses_the_library_and_rebuilds_for_another_compiler(tmp_path):
   path = cpu_gemm.build(folder=tmp_path)
@@ -67,7 +68,7 @@ def test_build_names_a_missing_or_failing_compiler(tmp_path):
   with pytest.raises(RuntimeError, match=r"cannot run the C\+\+ compiler '/nonexistent/c\+\+'"):
     cpu_gemm.build(compiler="/nonexistent/c++", folder=tmp_path)
   with pytest.raises(
-      RuntimeError, match=r"false failed \(exit status 1\) building small_gemm.cc, paged_attention.cc, gated_delta.cc"
+      RuntimeError, match=r"false failed \(exit status 1\) building small_gemm.cc, expert_gemm.cc, paged_attention.cc"
   ):
     cpu_gemm.build(compiler="false", folder=tmp_path)
 
@@ -197,7 +198,11 @@ def test_matmul_leaves_no_stale_values_between_calls():
         (jnp.zeros((2, 3, 4)), jnp.zeros((4, 5)), r"2-D operands, got x \(2, 3, 4\) and w \(4, 5\)"),
         (jnp.zeros((9, 4)), jnp.zeros((4, 5)), r"1 to 8 rows \(any number with panels\), got x \(9, 4\)"),
         (jnp.zeros((2, 4)), jnp.zeros((3, 5)), r"x \(2, 4\) and w \(3, 5\) \(nn\) do not share their inner size"),
-        (jnp.zeros((2, 4), jnp.bfloat16), jnp.zeros((4, 5)), r"float32 operands, got x bfloat16 and w float32"),
+        (
+            jnp.zeros((2, 4), jnp.bfloat16),
+            jnp.zeros((4, 5)),
+            r"a float32 x and a float32 or bfloat16 w, got x bfloat16 and w float32",
+        ),
     ],
 )
 def test_matmul_rejects_what_the_kernel_cannot_take(x, w, match):
@@ -276,7 +281,7 @@ def test_matmuls_equal_each_matmul_bit_for_bit(m, k, widths):
     [
         ([], r"one or more w, got none"),
         ([jnp.zeros((4, 5)), jnp.zeros((3, 5))], r"ws\[1\]: .*x \(2, 4\) and w \(3, 5\) \(nn\) do not share"),
-        ([jnp.zeros((4, 5), jnp.bfloat16)], r"ws\[0\]: small-batch matmul takes float32 operands"),
+        ([jnp.zeros((4, 5), jnp.float16)], r"ws\[0\]: small-batch matmul takes a float32 x and a float32 or bfloat16 w"),
     ],
 )
 def test_matmuls_rejects_what_the_kernel_cannot_take(ws, match):

@@ -1,0 +1,208 @@
+"""Weight-only int8 column panels (`quantization=int8w`): the packed format, the kernel against float64 NumPy over the
+dequantized weights on every row-count path, the checks, the `cpu` backend's layout and the config key."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxtext.configs import load_config
+from maxtext.configs.errors import ConfigError
+from maxtext.kernels import backend as kernel_backend
+from maxtext.kernels.cpu import backend as cpu_backend
+from maxtext.kernels.cpu import cpu_gemm
+from maxtext.kernels.cpu.backend import CpuBackend
+from maxtext.layers import linears
+
+needs_kernel = pytest.mark.skipif(
+    cpu_gemm.unsupported_reason() is not None, reason="the kernel needs x86-64 with AVX2 and FMA"
+)
+
+
+def _close(got, x: np.ndarray, w: np.ndarray) -> None:
+  """Against float64 of x @ w, w the dequantized weights: float32 sums, within 2e-6 of the largest magnitude."""
+  want = x.astype(np.float64) @ w.astype(np.float64)
+  got = np.asarray(got)
+  assert got.dtype == np.float32 and got.shape == want.shape
+  np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * max(1.0, float(np.max(np.abs(want)))))
+
+
+def test_int8_panels_pack_blocks_of_weights_then_scales():
+  """Panel t, block b: the 32 x 32 int8 weights row by row, then the 32 float32 scales (max |w| / 127 per column);
+  unpacked here byte by byte with NumPy."""
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((64, 96)).astype(np.float32)
+  w[:32, 40] = 0.0  # an all-zero column of a block: scale 1, weights 0
+  packed = np.asarray(cpu_gemm.to_int8_panels(w))
+  assert packed.shape == (3, 2, cpu_gemm.INT8_BLOCK) == (3, 2, 1152) and packed.dtype == np.uint8
+  for t in range(3):
+    for b in range(2):
+      block = w[32 * b : 32 * b + 32, 32 * t : 32 * t + 32]
+      q = packed[t, b, :1024].view(np.int8).reshape(32, 32)
+      scale = packed[t, b, 1024:].view(np.float32)
+      amax = np.abs(block).max(axis=0)
+      np.testing.assert_array_equal(scale, np.where(amax > 0, amax / 127, 1).astype(np.float32))
+      assert np.abs(q).max() == 127
+      assert np.all(np.abs(q * scale - block) <= scale * 0.50001)
+  assert np.all(packed[1, 0, :1024].view(np.int8).reshape(32, 32)[:, 8] == 0)
+  deq = cpu_gemm.from_int8_panels(packed)
+  assert deq.shape == (64, 96) and deq.dtype == np.float32
+  np.testing.assert_array_equal(np.asarray(jax.jit(cpu_gemm.from_int8_panels)(jnp.asarray(packed))), deq)
+  abstract = cpu_gemm.to_int8_panels(jax.ShapeDtypeStruct((64, 96), jnp.bfloat16))
+  assert abstract == jax.ShapeDtypeStruct((3, 2, 1152), jnp.uint8)
+
+
+def test_int8_panels_of_a_transposed_view_equal_those_of_a_copy():
+  w = np.random.default_rng(2).standard_normal((96, 64)).astype(np.float32).T  # [64, 96], Fortran order
+  np.testing.assert_array_equal(
+      np.asarray(cpu_gemm.to_int8_panels(w)), np.asarray(cpu_gemm.to_int8_panels(np.ascontiguousarray(w)))
+  )
+
+
+def test_int8_panels_of_bf16_weights():
+  w = np.random.default_rng(1).standard_normal((32, 32)).astype(ml_dtypes.bfloat16)
+  deq = cpu_gemm.from_int8_panels(np.asarray(cpu_gemm.to_int8_panels(w)))
+  scale = np.abs(w.astype(np.float32)).max(axis=0) / 127
+  assert np.all(np.abs(deq - w.astype(np.float32)) <= scale * 0.50001)
+
+
+# (M, K, N): one row (Int8PanelRow), 2-8 rows (a dequantized panel in the lanes), past 8 (six rows at a time).
+_SHAPES = [
+    (1, 32, 32),
+    (1, 576, 1536),
+    (1, 1536, 576),
+    (2, 64, 96),
+    (5, 576, 192),
+    (8, 96, 4096),
+    (9, 64, 64),
+    (70, 576, 160),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, k, n", _SHAPES)
+def test_int8_panels_match_float64_of_the_dequantized_weights(m, k, n):
+  assert cpu_gemm.load()
+  rng = np.random.default_rng(m * 1000 + k + n)
+  x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+  packed = cpu_gemm.to_int8_panels(w)
+  _close(jax.jit(cpu_gemm.matmul)(x, packed), x, cpu_gemm.from_int8_panels(np.asarray(packed)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3, 12])
+def test_matmuls_mix_int8_bf16_and_float32_panels(m):
+  """Each result of one call over int8, bfloat16 and float32 panels equals its product alone, bit for bit."""
+  assert cpu_gemm.load()
+  rng = np.random.default_rng(m)
+  x = rng.standard_normal((m, 64)).astype(np.float32)
+  ws = [rng.standard_normal((64, n)).astype(np.float32) for n in (96, 64, 32)]
+  operands = [
+      cpu_gemm.to_int8_panels(ws[0]),
+      cpu_gemm.to_panels(jnp.asarray(ws[1], jnp.bfloat16)),
+      cpu_gemm.to_panels(jnp.asarray(ws[2])),
+  ]
+  dense = [cpu_gemm.from_int8_panels(np.asarray(operands[0])), ws[1].astype(ml_dtypes.bfloat16), ws[2]]
+  for operand, w, y in zip(operands, dense, jax.jit(cpu_gemm.matmuls)(x, operands)):
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(cpu_gemm.matmul)(x, operand)))
+    _close(y, x, w)
+
+
+@pytest.mark.parametrize(
+    "fn, args, match",
+    [
+        (cpu_gemm.to_int8_panels, (np.zeros((48, 32)),), r"K and N multiples of 32, got shape \(48, 32\)"),
+        (cpu_gemm.to_int8_panels, (np.zeros((32, 40)),), r"K and N multiples of 32, got shape \(32, 40\)"),
+        (cpu_gemm.from_int8_panels, (np.zeros((1, 1, 1024), np.uint8),), r"uint8 \[N / 32, K / 32, 1152\], got uint8"),
+        (cpu_gemm.matmul, (jnp.zeros((2, 64)), jnp.zeros((1, 1, 1152), jnp.uint8)), r"x \(2, 64\) does not match"),
+        (cpu_gemm.matmul, (jnp.zeros((2, 32)), jnp.zeros((1, 1, 1024), jnp.uint8)), r"got \(1, 1, 1024\)"),
+        (
+            cpu_gemm.matmul,
+            (jnp.zeros((2, 32), jnp.bfloat16), jnp.zeros((1, 1, 1152), jnp.uint8)),
+            r"takes a float32 x, got x bfloat16",
+        ),
+        (cpu_gemm.matmul_transposed, (jnp.zeros((2, 4)), jnp.zeros((5, 4), jnp.uint8)), r"got x float32 and w uint8"),
+    ],
+)
+def test_int8_operands_are_checked(fn, args, match):
+  with pytest.raises(ValueError, match=match):
+    fn(*args)
+
+
+@needs_kernel
+def test_kernel_checks_int8_panels():
+  """The library's own check, reached by calling its target directly (`matmul` checks first)."""
+  assert cpu_gemm.load()
+  call = jax.ffi.ffi_call(cpu_gemm.TARGETS["nn"][0], jax.ShapeDtypeStruct((2, 32), jnp.float32))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"int8 column panels \[N / 32, K / 32, 1152\]"):
+    jax.block_until_ready(jax.jit(call)(np.ones((2, 32), np.float32), np.ones((1, 1, 1024), np.uint8)))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"the shapes of x, int8 column panels w and y do not match"):
+    jax.block_until_ready(jax.jit(call)(np.ones((2, 64), np.float32), np.ones((1, 1, 1152), np.uint8)))
+
+
+def test_backend_int8_panels_serve_k_and_n_multiples_of_32_only():
+  assert cpu_backend.to_int8_panels(np.ones((64, 32), np.float32), jnp.float32).shape == (1, 2, 1152)
+  assert cpu_backend.to_int8_panels(np.ones((40, 32), np.float32), jnp.float32) is None
+  assert cpu_backend.to_int8_panels(np.ones((64, 48), np.float32), jnp.float32) is None
+  assert cpu_backend.to_int8_panels(np.ones((64, 32), np.float32), jnp.bfloat16) is None
+
+
+def _converts(fn, *args) -> list[str]:
+  jaxpr = jax.make_jaxpr(lambda *a: fn(*a))(*args)  # pylint: disable=unnecessary-lambda
+  return [str(e.params["new_dtype"]) for e in jaxpr.eqns if e.primitive.name == "convert_element_type"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 6, 20])
+def test_prepare_params_quantizes_what_int8_panels_serve(rows):
+  """K = 64 goes into int8 panels, K = 40 into bfloat16 panels; both in one kernel call, without conversions,
+  matching float64 of the weights each layout holds; restore_params gives the dequantized [in, out] back."""
+  rngs = nnx.Rngs(rows)
+  layers = nnx.List(
+      [
+          linears.DenseGeneral(64, (2, 32), dtype=jnp.float32, weight_dtype=jnp.bfloat16, rngs=rngs),
+          linears.DenseGeneral(64, 96, dtype=jnp.float32, weight_dtype=jnp.bfloat16, rngs=rngs),
+          linears.DenseGeneral(40, 64, dtype=jnp.float32, weight_dtype=jnp.bfloat16, rngs=rngs),
+      ]
+  )
+  backend = CpuBackend()
+  backend.configure(load_config(model_name="llama-tiny", weight_dtype="bfloat16", quantization="int8w"))
+  canonical = [np.asarray(layer.kernel[...]).reshape(layer.kernel.shape[0], -1) for layer in layers]
+  assert backend.prepare_params(layers) == 64 * 64 // 32 * 36 + 64 * 96 // 32 * 36 + 40 * 64 * 2
+  assert [layer.layout for layer in layers] == [cpu_backend.PANELS_INT8] * 2 + [cpu_backend.PANELS]
+  assert backend.prepare_params(layers) == 64 * 64 // 32 * 36 + 64 * 96 // 32 * 36 + 40 * 64 * 2  # idempotent
+  held = [cpu_gemm.from_int8_panels(np.asarray(layer.kernel[...])) for layer in layers[:2]] + [canonical[2]]
+  x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 64)), jnp.float32)
+  run = functools.partial(linears.project, layers=list(layers[:2]), backend=backend)
+  assert _converts(run, x) == [] and str(jax.make_jaxpr(run)(x)).count("ffi_call") == 1
+  for y, w in zip(jax.jit(run)(x), held):
+    _close(np.asarray(y).reshape(rows, -1), np.asarray(x), w)
+  x40 = x[:, :40]
+  _close(jax.jit(functools.partial(layers[2], backend=backend))(x40), np.asarray(x40), held[2])
+  backend.restore_params(layers)
+  assert all(layer.layout is None for layer in layers)
+  np.testing.assert_array_equal(np.asarray(layers[1].kernel[...]), held[1])
+  assert layers[0].kernel.shape == (64, 2, 32)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"quantization": "int4"}, r"quantization='int4': must be '' \(weights in weight_dtype\) or 'int8w'"),
+        ({"quantization": "int8w"}, r"quantization='int8w' keeps .* must then be bfloat16; got weight_dtype='float32'"),
+    ],
+)
+def test_quantization_key_is_validated(overrides, match):
+  with pytest.raises(ConfigError, match=match):
+    load_config(model_name="llama-tiny", **overrides)
+  assert load_config(model_name="llama-tiny", weight_dtype="bfloat16", quantization="int8w").quantization == "int8w"
+
+
+def test_only_the_cpu_backend_takes_quantization():
+  cfg = load_config(model_name="llama-tiny", weight_dtype="bfloat16", quantization="int8w")
+  with pytest.raises(ConfigError, match=r"quantization='int8w' needs kernel_backend=cpu .* kernel_backend=reference"):
+    kernel_backend.get_backend("reference", None, cfg)

@@ -178,7 +178,7 @@ class Attention(Mixer):
       self.k = DenseGeneral(emb_dim, (num_kv_heads, head_dim), use_bias=use_bias, **kw)
       self.v = DenseGeneral(emb_dim, (num_kv_heads, head_dim), use_bias=use_bias, **kw)
     self.o = DenseGeneral((num_query_heads, head_dim), emb_dim, use_bias=use_bias, **kw)
-    norm_kw = {"eps": norm_eps, "zero_centered": zero_centered_norm, "weight_dtype": weight_dtype}
+    norm_kw = {"eps": norm_eps, "zero_centered": zero_centered_norm, "weight_dtype": weight_dtype, "rngs": rngs}
     self.q_norm = RMSNorm(head_dim, **norm_kw) if use_qk_norm else None
     self.k_norm = RMSNorm(head_dim, **norm_kw) if use_qk_norm and not is_kv_shared else None
     self.sinks = nnx.Param(uniform(draw_key(rngs), (num_query_heads,), weight_dtype, 1.0)) if use_sinks else None

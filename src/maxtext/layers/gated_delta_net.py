@@ -18,7 +18,7 @@ from maxtext.configs.layer_kinds import LINEAR_ATTENTION, RECURRENT_CACHE
 from maxtext.kernels.attention_metadata import AttentionMetadata, recurrent_state_indices
 from maxtext.kernels.backend import KernelBackend
 from maxtext.kernels.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
-from maxtext.layers.initializers import draw_key, fan_in_uniform, uniform
+from maxtext.layers.initializers import computed, constant, draw_key, fan_in_uniform, uniform
 from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mixer import KV, Mixer, register_mixer
 from maxtext.layers.normalizations import RMSNorm, gated_rms_norm
@@ -223,10 +223,14 @@ class GatedDeltaNet(Mixer):
     self.b = DenseGeneral(emb_dim, num_value_heads, **kw)
     self.a = DenseGeneral(emb_dim, num_value_heads, **kw)
     self.conv = _Conv(conv_kernel_dim, self.conv_dim, weight_dtype=weight_dtype, rngs=rngs)
-    a_init = uniform(draw_key(rngs), (num_value_heads,), jnp.float32, std=7.5 / 3**0.5, mean=8.5)  # U(1, 16)
-    self.A_log = nnx.Param(jnp.log(a_init).astype(weight_dtype))  # pylint: disable=invalid-name  # canonical name
-    self.dt_bias = nnx.Param(jnp.ones((num_value_heads,), weight_dtype))
-    self.norm = RMSNorm(value_head_dim, eps=norm_eps, zero_centered=False, weight_dtype=weight_dtype)
+
+    def log_a():
+      a = uniform(draw_key(rngs), (num_value_heads,), jnp.float32, std=7.5 / 3**0.5, mean=8.5)  # U(1, 16)
+      return jnp.log(a).astype(weight_dtype)
+
+    self.A_log = nnx.Param(computed(rngs, (num_value_heads,), weight_dtype, log_a))  # pylint: disable=invalid-name
+    self.dt_bias = nnx.Param(constant(rngs, (num_value_heads,), weight_dtype, 1.0))
+    self.norm = RMSNorm(value_head_dim, eps=norm_eps, zero_centered=False, weight_dtype=weight_dtype, rngs=rngs)
     self.out = DenseGeneral(num_value_heads * value_head_dim, emb_dim, **kw)
 
   @classmethod

@@ -8,6 +8,7 @@ by the module's `nnx.Rngs` stream: a few elementwise ops compiled once per shape
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +41,40 @@ def _hash_uniform(key: jax.Array, *, shape: tuple[int, ...], dtype: np.dtype, st
 
 
 class ShapeOnlyRngs:
-  """Stands in for `nnx.Rngs` when a model is built for its shapes only (`abstract_model`, under `nnx.eval_shape`).
+  """Stands in for `nnx.Rngs` when a model is built for its shapes only (`abstract_model`).
 
-  Its draws are None, and `uniform` then traces one zeros op instead of a key derivation and a hash: the values are
-  thrown away, and on a model of a few hundred parameters the keys alone are most of the build.
+  The initializers below then return `jax.ShapeDtypeStruct`s instead of arrays: the model is built without a trace
+  and without a JAX operation (its draws are None), which makes building the structure of a large model cheap.
   """
+
+
+Init = jax.Array | jax.ShapeDtypeStruct  # a parameter's initial value, or only its shape and dtype
+
+
+def constant(rngs: nnx.Rngs | ShapeOnlyRngs | None, shape: tuple[int, ...], dtype: jnp.dtype, value: float) -> Init:
+  """`shape` filled with `value` in `dtype`; only its shape and dtype under `ShapeOnlyRngs`."""
+  shape = tuple(int(s) for s in shape)
+  if isinstance(rngs, ShapeOnlyRngs):
+    return jax.ShapeDtypeStruct(shape, np.dtype(dtype))
+  return jnp.full(shape, value, dtype)
+
+
+def computed(
+    rngs: nnx.Rngs | ShapeOnlyRngs, shape: tuple[int, ...], dtype: jnp.dtype, make: Callable[[], jax.Array]
+) -> Init:
+  """`make()` (an array of `shape` and `dtype`); only that shape and dtype under `ShapeOnlyRngs`, without calling it.
+
+  Raises:
+    ValueError: `make()` returned another shape or dtype.
+  """
+  if isinstance(rngs, ShapeOnlyRngs):
+    return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), np.dtype(dtype))
+  value = make()
+  if value.shape != tuple(shape) or value.dtype != np.dtype(dtype):
+    raise ValueError(
+        f"an initializer made {value.shape} {value.dtype}, its parameter is {tuple(shape)} {np.dtype(dtype)}"
+    )
+  return value
 
 
 def draw_key(rngs: nnx.Rngs | ShapeOnlyRngs) -> jax.Array | None:
@@ -61,28 +91,28 @@ def draw_key(rngs: nnx.Rngs | ShapeOnlyRngs) -> jax.Array | None:
     return rngs.params()
 
 
-def uniform(key: jax.Array | None, shape: tuple[int, ...], dtype: jnp.dtype, std: float, mean: float = 0.0) -> jax.Array:
+def uniform(key: jax.Array | None, shape: tuple[int, ...], dtype: jnp.dtype, std: float, mean: float = 0.0) -> Init:
   """Uniform random values with the given mean and standard deviation.
 
   Args:
-    key: a JAX PRNG key (e.g. `draw_key(rngs)`); its words seed the hash. None (`ShapeOnlyRngs`): zeros, for a
-      build whose values are never read.
+    key: a JAX PRNG key (e.g. `draw_key(rngs)`); its words seed the hash. None (`ShapeOnlyRngs`): only the shape
+      and dtype.
     shape: result shape (fewer than 2**32 elements).
     dtype: result dtype.
     std: standard deviation.
     mean: mean.
 
   Returns:
-    `shape` array in `dtype`.
+    `shape` array in `dtype` (a `jax.ShapeDtypeStruct` without a key).
   """
   shape = tuple(int(s) for s in shape)
   if math.prod(shape) >= 2**32:
     raise ValueError(f"cannot initialise a parameter of {math.prod(shape)} elements (limit 2**32), shape {shape}")
   if key is None:
-    return jnp.zeros(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, np.dtype(dtype))
   return _hash_uniform(key, shape=shape, dtype=np.dtype(dtype), std=float(std), mean=float(mean))
 
 
-def fan_in_uniform(key: jax.Array | None, shape: tuple[int, ...], dtype: jnp.dtype, fan_in: int) -> jax.Array:
+def fan_in_uniform(key: jax.Array | None, shape: tuple[int, ...], dtype: jnp.dtype, fan_in: int) -> Init:
   """Zero-mean uniform values with variance `1 / fan_in` (LeCun scaling)."""
   return uniform(key, shape, dtype, 1.0 / math.sqrt(fan_in))

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from maxtext.kernels.backend import KernelBackend, default_backend
-from maxtext.layers.initializers import draw_key, fan_in_uniform
+from maxtext.layers.initializers import constant, draw_key, fan_in_uniform
 
 
 def _as_shape(features: int | Sequence[int], name: str) -> tuple[int, ...]:
@@ -72,7 +72,7 @@ class DenseGeneral(nnx.Module):
     self.dtype = jnp.dtype(dtype)
     fan_in = math.prod(self.in_shape)
     self.kernel = nnx.Param(fan_in_uniform(draw_key(rngs), self.in_shape + self.out_shape, weight_dtype, fan_in))
-    self.bias = nnx.Param(jnp.zeros(self.out_shape, weight_dtype)) if use_bias else None
+    self.bias = nnx.Param(constant(rngs, self.out_shape, weight_dtype, 0.0)) if use_bias else None
     self.layout: str | None = None  # the backend layout `kernel` is in (`relayout`); None: [*in, *out]
 
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook

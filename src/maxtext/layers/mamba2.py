@@ -23,7 +23,7 @@ from maxtext.kernels.attention_metadata import AttentionMetadata, recurrent_stat
 from maxtext.kernels.backend import KernelBackend
 from maxtext.kernels.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
 from maxtext.layers.gated_delta_net import causal_conv1d
-from maxtext.layers.initializers import draw_key, fan_in_uniform, uniform
+from maxtext.layers.initializers import ShapeOnlyRngs, computed, constant, draw_key, fan_in_uniform, uniform
 from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mixer import KV, Mixer, register_mixer
 
@@ -209,10 +209,16 @@ class Mamba2(Mixer):
     self.xbc = DenseGeneral(emb_dim, self.conv_dim, **kw)
     self.dt = DenseGeneral(emb_dim, num_heads, **kw)
     self.conv = _BiasedConv(conv_kernel_dim, self.conv_dim, use_bias=conv_bias, weight_dtype=weight_dtype, rngs=rngs)
-    self.A_log = nnx.Param(jnp.log(jnp.arange(1, num_heads + 1, dtype=jnp.float32)).astype(weight_dtype))  # pylint: disable=invalid-name
-    self.D = nnx.Param(jnp.ones((num_heads,), weight_dtype))  # pylint: disable=invalid-name  # canonical name
+    log_a = computed(
+        rngs,
+        (num_heads,),
+        weight_dtype,
+        lambda: jnp.log(jnp.arange(1, num_heads + 1, dtype=jnp.float32)).astype(weight_dtype),
+    )
+    self.A_log = nnx.Param(log_a)  # pylint: disable=invalid-name  # canonical name
+    self.D = nnx.Param(constant(rngs, (num_heads,), weight_dtype, 1.0))  # pylint: disable=invalid-name  # canonical name
     self.dt_bias = nnx.Param(uniform(draw_key(rngs), (num_heads,), weight_dtype, std=0.5, mean=0.0))
-    self.norm = _Scale(self.inner, weight_dtype)
+    self.norm = _Scale(self.inner, weight_dtype, rngs)
     self.out = DenseGeneral(self.inner, emb_dim, **kw)
 
   @classmethod
@@ -385,5 +391,5 @@ class _BiasedConv(nnx.Module):
 class _Scale(nnx.Module):
   """The gated norm's weight `scale [I]` (init 1)."""
 
-  def __init__(self, features: int, weight_dtype: jnp.dtype):
-    self.scale = nnx.Param(jnp.ones((features,), weight_dtype))
+  def __init__(self, features: int, weight_dtype: jnp.dtype, rngs: nnx.Rngs | ShapeOnlyRngs):
+    self.scale = nnx.Param(constant(rngs, (features,), weight_dtype, 1.0))

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtext.layers.initializers import ShapeOnlyRngs, constant
+
 
 def rms_norm(x: jax.Array, scale: jax.Array, *, eps: float, zero_centered: bool) -> jax.Array:
   """Root-mean-square normalisation over the last axis, computed in float32.
@@ -53,13 +55,13 @@ class RMSNorm(nnx.Module):
       eps: float,
       zero_centered: bool,
       weight_dtype: jnp.dtype = jnp.float32,
+      rngs: nnx.Rngs | ShapeOnlyRngs | None = None,
   ):
     if num_features <= 0:
       raise ValueError(f"RMSNorm num_features must be positive, got {num_features}")
     self.eps = float(eps)
     self.zero_centered = bool(zero_centered)
-    init = jnp.zeros if zero_centered else jnp.ones
-    self.scale = nnx.Param(init((num_features,), weight_dtype))
+    self.scale = nnx.Param(constant(rngs, (num_features,), weight_dtype, 0.0 if zero_centered else 1.0))
 
   def __call__(self, x: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
     """Normalises `[..., N]` -> `[..., N]` (input dtype)."""

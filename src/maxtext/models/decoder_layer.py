@@ -33,6 +33,7 @@ class DecoderLayer(nnx.Module):
         "eps": cfg.normalization_layer_epsilon,
         "zero_centered": cfg.use_zero_centered_norm,
         "weight_dtype": weight_dtype,
+        "rngs": rngs,
     }
     kw = {"dtype": dtype, "weight_dtype": weight_dtype, "rngs": rngs}
     self.input_norm = RMSNorm(d, **norm_kw)

@@ -37,7 +37,11 @@ class Transformer(nnx.Module):
     )
     self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(len(cfg.layer_types))])
     self.final_norm = RMSNorm(
-        d, eps=cfg.normalization_layer_epsilon, zero_centered=cfg.use_zero_centered_norm, weight_dtype=weight_dtype
+        d,
+        eps=cfg.normalization_layer_epsilon,
+        zero_centered=cfg.use_zero_centered_norm,
+        weight_dtype=weight_dtype,
+        rngs=rngs,
     )
     if cfg.logits_via_embedding:
       self.lm_head = None
@@ -161,6 +165,5 @@ class Transformer(nnx.Module):
 
 
 def abstract_model(cfg: ml_collections.FrozenConfigDict) -> Transformer:
-  """The model with `jax.ShapeDtypeStruct` parameters (no memory allocated)."""
-
-  return nnx.eval_shape(lambda: Transformer(cfg, rngs=ShapeOnlyRngs()))
+  """The model with `jax.ShapeDtypeStruct` parameters (no memory allocated), built without a trace."""
+  return Transformer(cfg, rngs=ShapeOnlyRngs())

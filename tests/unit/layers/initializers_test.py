@@ -4,8 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from maxtext.layers.initializers import ShapeOnlyRngs, draw_key, fan_in_uniform, uniform
+from maxtext.layers.initializers import ShapeOnlyRngs, computed, constant, draw_key, fan_in_uniform, uniform
 
 
 def test_uniform_is_deterministic_per_key_and_has_requested_moments():
@@ -42,10 +43,21 @@ def test_rejects_parameters_beyond_the_counter_range():
     jax.eval_shape(lambda: uniform(jax.random.key(0), (2**16, 2**16), jnp.float32, 1.0))
 
 
-def test_shape_only_rngs_draw_no_key_and_give_zeros_of_the_shape():
+def test_shape_only_rngs_draw_no_key_and_give_only_shapes():
   assert draw_key(ShapeOnlyRngs()) is None
   x = fan_in_uniform(draw_key(ShapeOnlyRngs()), (3, 5), jnp.bfloat16, fan_in=3)
-  assert x.shape == (3, 5) and x.dtype == jnp.bfloat16
-  np.testing.assert_array_equal(np.asarray(x, np.float32), np.zeros((3, 5), np.float32))
+  assert x == jax.ShapeDtypeStruct((3, 5), jnp.bfloat16)
+  assert constant(ShapeOnlyRngs(), (4,), jnp.float32, 1.0) == jax.ShapeDtypeStruct((4,), jnp.float32)
+  never_called = lambda: pytest.fail("a shape-only build must not compute a value")  # pylint: disable=unnecessary-lambda-assignment
+  assert computed(ShapeOnlyRngs(), (2, 3), jnp.bfloat16, never_called) == jax.ShapeDtypeStruct((2, 3), jnp.bfloat16)
   with pytest.raises(ValueError, match="limit 2\\*\\*32"):
     uniform(None, (2**16, 2**16), jnp.float32, std=1.0)
+
+
+def test_constant_and_computed_values_with_real_rngs():
+  for rngs in (nnx.Rngs(0), None):
+    np.testing.assert_array_equal(np.asarray(constant(rngs, (3,), jnp.bfloat16, 1.0), np.float32), np.ones(3))
+  value = computed(nnx.Rngs(0), (3,), jnp.float32, lambda: jnp.arange(3, dtype=jnp.float32))
+  np.testing.assert_array_equal(np.asarray(value), [0.0, 1.0, 2.0])
+  with pytest.raises(ValueError, match=r"an initializer made \(2,\) float32, its parameter is \(3,\) float32"):
+    computed(nnx.Rngs(0), (3,), jnp.float32, lambda: jnp.zeros(2, jnp.float32))

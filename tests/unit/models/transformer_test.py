@@ -361,7 +361,9 @@ def test_param_count_allocates_nothing():
   assert leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-next-tiny", "gpt-oss-tiny", "bamba-tiny"])
+@pytest.mark.parametrize(
+    "name", ["llama-tiny", "qwen3-next-tiny", "gpt-oss-tiny", "bamba-tiny", "gemma3-tiny", "qwen3.5-tiny"]
+)
 def test_abstract_model_has_the_structure_of_a_randomly_initialised_one(name):
   # abstract_model draws no keys (ShapeOnlyRngs); its tree, shapes and dtypes must still be a real build's.
   cfg = load_config(model_name=name)

@@ -278,14 +278,14 @@ class LLMEngine:
     # A greedy decode step dispatched before the previous step's tokens reached the host, with its plan.
     self._ahead: _DispatchedStep | None = None
     self.overlap_decode_steps = bool(cfg.overlap_decode_steps)
-    self.kv_caches = self.model.shard_kv_caches(self.manager.allocate_caches())
-    self._zero_slots([])  # compiles the zeroing program now (no row is written), not in the first request's path
-    # The one-request greedy decode step compiles in a thread while the weights load (shapes are all it needs).
+    # The step programs load (or the one-request greedy decode step compiles) in a thread while the caches are
+    # allocated and the weights load: shapes are all it needs.
     self._background_compile: threading.Thread | None = None
     self._background_tokens = padded_num_tokens(1, int(cfg.max_num_batched_tokens), int(cfg.min_token_bucket))
     if cfg.background_compile and not self.model.is_dummy and self.mesh.size == 1:
-      shapes = jax.tree_util.tree_map(
-          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self._state_leaves, self.kv_caches)
+      shapes = (
+          [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._state_leaves],
+          self.manager.cache_shapes(),
       )
       # Not a daemon: a process that exits (or fails to load the weights) while XLA compiles must wait for it, as
       # the interpreter's shutdown would otherwise unwind the thread inside XLA's C++ and abort the process.
@@ -293,6 +293,8 @@ class LLMEngine:
           target=self._compile_smallest_greedy_step, args=shapes, name="maxtext-compile", daemon=False
       )
       self._background_compile.start()
+    self.kv_caches = self.model.shard_kv_caches(self.manager.allocate_caches())
+    self._zero_slots([])  # compiles the zeroing program now (no row is written), not in the first request's path
     self.weights_from_cache = False
     if not self.model.is_dummy:
       self._load_prepared_weights(rng_key, graphdef, state_def)
@@ -414,9 +416,10 @@ class LLMEngine:
           self._programs[key] = step_programs.StepProgram(jitted, name, options, cache)
       return self._programs[key]
 
-  def _step_program_cache(self) -> step_programs.ProgramCache | None:
+  def _step_program_cache(self, fixed: tuple[Any, Any] | None = None) -> step_programs.ProgramCache | None:
     """The folder of whole step executables (`step_programs`), made on first use; None when it is off (no
-    compilation cache of the config's own, or a mesh of several devices)."""
+    compilation cache of the config's own, or a mesh of several devices). `fixed`: the parameters and the caches
+    (arrays or their shapes; default: the engine's)."""
     if self._program_cache is None:
       folder = step_programs.folder_for(self.cfg, self.compilation_cache_dir)
       if folder is None or self.mesh.size != 1:
@@ -424,19 +427,24 @@ class LLMEngine:
       else:
         # The programs call the C++ kernels by name: they are registered (and their availability keyed) first.
         kernels = self.backend.load_kernels()
-        fixed = (self._state_leaves, self.kv_caches)
+        fixed = fixed or (self._state_leaves, self.kv_caches)
         run_key = step_programs.run_key(self.cfg, self.backend, fixed, self.layer_map, kernels=kernels)
         self._program_cache = step_programs.ProgramCache(folder, run_key, list(self.mesh.devices.flat))
     return self._program_cache or None
 
   def _compile_smallest_greedy_step(self, leaves: Sequence[Any], kv_caches: Sequence[Any]) -> None:
-    """Traces and compiles the greedy step of one request and the smallest token bucket (a one-token decode).
+    """Loads the step programs this run used most recently (`ProgramCache.preload`), then traces and compiles the
+    greedy step of one request and the smallest token bucket (a one-token decode), unless it was among them.
 
     Runs in a thread while the weights load: it needs only shapes (`leaves`, `kv_caches`: the parameters' and the
     caches'), and JAX keeps the trace and the executable, so the first such step finds both. The batch comes from
     a throwaway scheduler. A failure only logs (the step then compiles when first used).
     """
     try:
+      with self._programs_lock:
+        cache = self._step_program_cache((leaves, kv_caches))
+      if cache is not None:
+        cache.preload()  # the programs this run used last time (a prefill bucket among them), for the first steps
       manager = make_kv_cache_manager(self.cfg)
       scheduler = Scheduler(self.cfg, manager)
       scheduler.add_request(Request("background-compile", [0], SamplingParams(max_tokens=1, temperature=0.0)))

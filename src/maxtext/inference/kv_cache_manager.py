@@ -40,6 +40,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from maxtext.configs.derived import state_block_size
@@ -332,26 +333,33 @@ class KVCacheManager:
     return "\n".join(lines)
 
   def allocate_caches(self, num_blocks: int | None = None) -> list[Any]:
-    """Zero-filled physical caches in the runner's shapes and dtypes, in physical order.
-
-    Attention entry: one array `spec.cache_shape(num_blocks)`; recurrent entry: a tuple of zero arrays
-    `spec.cache_shapes(M)` in `spec.state_dtypes` (Gated DeltaNet: conv `[M, K-1, conv_dim]`, recurrent
-    `[M, nv, dk, dv]`).
+    """Zero-filled physical caches in the runner's shapes and dtypes, in physical order (`cache_shapes`).
 
     Args:
       num_blocks: blocks per attention array (default: the pool's; must be at least that, or block ids the pool
         hands out would fall outside the arrays).
     """
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.cache_shapes(num_blocks))
+
+  def cache_shapes(self, num_blocks: int | None = None) -> list[Any]:
+    """The physical caches' shapes and dtypes (`jax.ShapeDtypeStruct`s), in physical order, without memory.
+
+    Attention entry: one `spec.cache_shape(num_blocks)`; recurrent entry: a tuple `spec.cache_shapes(M)` in
+    `spec.state_dtypes` (Gated DeltaNet: conv `[M, K-1, conv_dim]`, recurrent `[M, nv, dk, dv]`).
+
+    Args:
+      num_blocks: as for `allocate_caches`.
+    """
     num_blocks = self._check_num_blocks(num_blocks)
-    caches: list[Any] = []
+    shapes: list[Any] = []
     for owners in self.slot_owners:
       spec = self._specs[owners[0]]
       if not self._is_attention(owners):
-        shapes = spec.cache_shapes(self.num_state_slots)
-        caches.append(tuple(jnp.zeros(shape, dtype) for shape, dtype in zip(shapes, spec.state_dtypes)))
+        states = spec.cache_shapes(self.num_state_slots)
+        shapes.append(tuple(jax.ShapeDtypeStruct(s, d) for s, d in zip(states, spec.state_dtypes)))
       else:
-        caches.append(jnp.zeros(spec.cache_shape(num_blocks), spec.dtype))
-    return caches
+        shapes.append(jax.ShapeDtypeStruct(spec.cache_shape(num_blocks), spec.dtype))
+    return shapes
 
   def _check_num_blocks(self, num_blocks: int | None) -> int:
     if num_blocks is None:

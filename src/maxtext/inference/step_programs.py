@@ -14,14 +14,17 @@ larger part of a warm start once the weights come from the weight cache. This mo
     NumPy, JAX's configuration values, `XLA_FLAGS`, and the host CPU's model and feature flags (XLA compiles for
     the CPU it runs on).
 
-A file holds the serialized executable and its output tree; a file that cannot be read or loaded is a logged miss
-(removed, traced and compiled again). The programs call this package's C++ kernels by name (XLA's FFI), so the
-backend loads and registers them before a program is loaded (`KernelBackend.load_kernels`). Entries are written whole
-(temporary file, rename), and the folder keeps at most `MAX_BYTES` (1 GiB; least recently used programs go
-first). They live in `maxtext-steps/` inside the compilation cache folder the config names
-(`compilation_cache_dir`), only when that is the folder JAX caches in: a folder JAX was given from outside
-(`JAX_COMPILATION_CACHE_DIR`) keeps JAX's own entries only. Loading an executable runs code from the folder: like
-the compilation cache, it must not be writable by anyone untrusted.
+A file holds the serialized executable and its input and output trees; a file that cannot be read or loaded is a
+logged miss (removed, traced and compiled again). Each run key also keeps the list of its programs, most recently
+used first (`<digest>.recent`): a start loads those in a background thread (`ProgramCache.preload`) while it loads
+the weights and reads the prompt, so its first steps find their executables in memory.
+
+The programs call this package's C++ kernels by name (XLA's FFI), so the backend loads and registers them before a
+program is loaded (`KernelBackend.load_kernels`). Entries are written whole (temporary file, rename), and the folder
+keeps at most `MAX_BYTES` (1 GiB; least recently used programs go first). They live in `maxtext-steps/` inside the
+compilation cache folder the config names (`compilation_cache_dir`), only when that is the folder JAX caches in: a
+folder JAX was given from outside (`JAX_COMPILATION_CACHE_DIR`) keeps JAX's own entries only. Loading an executable
+runs code from the folder: like the compilation cache, it must not be writable by anyone untrusted.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import os
 import pickle
 import platform
 import threading
+from concurrent import futures
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,8 +79,12 @@ def cache_hits_in_this_thread() -> int:
 
 
 SUFFIX = ".program"
-FORMAT_VERSION = 1
+RECENT_SUFFIX = ".recent"
+FORMAT_VERSION = 2
 MAX_BYTES = 1 << 30  # the folder's size limit: least recently used programs are removed beyond it
+# How many programs of a run a start loads ahead (`ProgramCache.preload`): a decode's first steps use a few (a prefill
+# bucket, the one-request decode); a server's later buckets load when first used.
+PRELOAD_LIMIT = 4
 
 
 @functools.cache
@@ -130,6 +138,8 @@ class ProgramCache:
     self._prefix = json.dumps(key, sort_keys=True)
     self.digest = hashlib.sha256(self._prefix.encode("utf-8")).hexdigest()
     self._devices = list(devices) if devices is not None else jax.devices()[:1]
+    self._lock = threading.Lock()
+    self._preloading: dict[Path, futures.Future] = {}  # programs `preload` is reading, or has read for `load`
 
   def program_name(self, name: str) -> str:
     """The name a program of this run is jitted under (`name` and the run key's digest)."""
@@ -142,10 +152,22 @@ class ProgramCache:
 
   def load(self, path: Path, in_tree: Any) -> Any | None:
     """The executable stored at `path` for a call of tree `in_tree`, or None (absent, or unusable: then removed,
-    the reason logged)."""
+    the reason logged). One that `preload` reads or has read is taken from it (waiting for it if need be)."""
+    with self._lock:
+      preloaded = self._preloading.pop(path, None)
+    executable = preloaded.result() if preloaded is not None else self._read(path)
+    if executable is None:
+      return None
+    if executable.in_tree != in_tree:
+      logger.warning("step program %s was built for another call structure; compiling it again", path)
+      return None
+    self._remember(path)
+    return executable
+
+  def _read(self, path: Path) -> Any | None:
     try:
       with open(path, "rb") as f:
-        data, out_tree = pickle.load(f)
+        data, in_tree, out_tree = pickle.load(f)
       os.utime(path)  # used now: the least recently used programs go first (`prune`)
       return serialize_executable.deserialize_and_load(
           data, in_tree, out_tree, backend=self._devices[0].client, execution_devices=self._devices
@@ -158,14 +180,54 @@ class ProgramCache:
         path.unlink()
       return None
 
+  def recent(self) -> list[Path]:
+    """The files of this run's programs, most recently used first (none when the list is missing or unreadable)."""
+    try:
+      names = json.loads((self.folder / (self.digest[:40] + RECENT_SUFFIX)).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+      return []
+    if not isinstance(names, list):
+      return []
+    return [self.folder / name for name in names if isinstance(name, str) and name.endswith(SUFFIX) and "/" not in name]
+
+  def _remember(self, path: Path) -> None:
+    """Puts `path` first in this run's list of programs (`recent`); failures only log."""
+    names = [p.name for p in self.recent()]
+    if names[:1] == [path.name]:
+      return
+    names = [path.name] + [n for n in names if n != path.name][: 4 * PRELOAD_LIMIT - 1]
+    try:
+      weight_cache.write_atomic(self.folder / (self.digest[:40] + RECENT_SUFFIX), json.dumps(names).encode("utf-8"))
+    except OSError as e:
+      logger.warning("could not update the list of step programs in %s: %s", self.folder, e)
+
+  def preload(self, limit: int = PRELOAD_LIMIT) -> int:
+    """Reads the `limit` most recently used programs of this run (`recent`) in the calling thread, for `load` to
+    take; returns how many were read. Meant for a background thread: loading an executable releases the GIL."""
+    with self._lock:
+      pending = {p: futures.Future() for p in self.recent()[:limit] if p not in self._preloading}
+      self._preloading.update(pending)
+    count = 0
+    try:
+      for path, future in pending.items():
+        executable = self._read(path)
+        future.set_result(executable)
+        count += executable is not None
+    finally:
+      for future in pending.values():
+        if not future.done():
+          future.set_result(None)  # a failure above must not leave `load` waiting
+    return count
+
   def store(self, path: Path, compiled: Any) -> bool:
     """Writes `compiled` (a `jax.stages.Compiled`) to `path`; returns whether it was written (failures only log)."""
     try:
-      data, _, out_tree = serialize_executable.serialize(compiled)
-      weight_cache.write_atomic(path, pickle.dumps((data, out_tree)))
+      data, in_tree, out_tree = serialize_executable.serialize(compiled)
+      weight_cache.write_atomic(path, pickle.dumps((data, in_tree, out_tree)))
     except Exception as e:  # pylint: disable=broad-exception-caught  # an optimisation must not break the engine
       logger.warning("could not keep the step program %s: %s", path, e)
       return False
+    self._remember(path)
     self.prune()
     return True
 

@@ -94,13 +94,60 @@ def test_an_unusable_entry_is_a_logged_miss_that_is_compiled_again(tmp_path, cap
   if content is None:  # a pickle of the right shape holding bytes that are no executable
     import pickle  # pylint: disable=import-outside-toplevel  # only this case writes one
 
-    content = pickle.dumps((b"\x00" * 64, jax.tree_util.tree_structure(([0, 0], 0))))
+    tree = jax.tree_util.tree_structure(([0, 0], 0))
+    content = pickle.dumps((b"\x00" * 64, tree, tree))
   path.write_bytes(content)
   again = _program(tmp_path, traces)
   _, out = again(*_args())
   assert again.compiled == 1 and again.loaded == 0 and len(traces) == 2 and out.shape == (2, 8)
   assert "is unusable" in caplog.text
   assert _program(tmp_path, traces)(*_args()) and len(traces) == 2  # rewritten whole: loaded again
+
+
+def test_a_run_lists_its_programs_most_recently_used_first(tmp_path):
+  _program(tmp_path, [])(*_args(rows=2))
+  _program(tmp_path, [])(*_args(rows=4))
+  cache = step_programs.ProgramCache(tmp_path, {"run": 1})
+  two, four = (cache.path_for("step", {}, step_programs.signature(_args(rows)[2:3])) for rows in (2, 4))
+  assert cache.recent() == [four, two]
+  _program(tmp_path, [])(*_args(rows=2))  # a later start uses the 2-row program: it comes first
+  assert cache.recent() == [two, four]
+  assert step_programs.ProgramCache(tmp_path, {"run": 2}).recent() == []  # another run has a list of its own
+
+
+def test_preloaded_programs_are_taken_without_reading_their_files_again(tmp_path):
+  traces = []
+  expected = np.asarray(_program(tmp_path, traces)(*_args())[1])
+  cache = step_programs.ProgramCache(tmp_path, {"run": 1})
+  assert cache.preload() == 1
+  for path in tmp_path.glob("*" + step_programs.SUFFIX):
+    path.unlink()  # what a later call gets must be the preloaded executable
+  program = step_programs.StepProgram(_jitted(traces), "step", {}, cache)
+  np.testing.assert_array_equal(np.asarray(program(*_args())[1]), expected)
+  assert (program.loaded, program.compiled, len(traces)) == (1, 0, 1)
+
+
+def test_preloading_skips_what_it_cannot_use(tmp_path):
+  cache = step_programs.ProgramCache(tmp_path, {"run": 1})
+  assert cache.preload() == 0  # no list yet
+  _program(tmp_path, [])(*_args())
+  (path,) = tmp_path.glob("*" + step_programs.SUFFIX)
+  path.write_bytes(b"not a pickle")
+  assert cache.preload() == 0 and not path.exists()  # an unusable entry: removed, then compiled when called
+  traces = []
+  program = step_programs.StepProgram(_jitted(traces), "step", {}, cache)
+  program(*_args())
+  assert (program.loaded, program.compiled) == (0, 1)
+  (tmp_path / (cache.digest[:40] + step_programs.RECENT_SUFFIX)).write_text("{not json", encoding="utf-8")
+  assert cache.recent() == [] and cache.preload() == 0
+
+
+def test_a_program_loaded_for_another_call_structure_is_a_miss(tmp_path, caplog):
+  _program(tmp_path, [])(*_args())
+  cache = step_programs.ProgramCache(tmp_path, {"run": 1})
+  (path,) = tmp_path.glob("*" + step_programs.SUFFIX)
+  assert cache.load(path, jax.tree_util.tree_structure(((0, 0), {}))) is None
+  assert "another call structure" in caplog.text
 
 
 def test_a_program_that_came_from_jaxs_cache_is_not_kept(tmp_path, monkeypatch):

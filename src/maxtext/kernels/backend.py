@@ -64,6 +64,18 @@ class Relayable(Protocol):
     """Stores the weight in its canonical layout again, `convert` making the `[K, N]` matrix of the stored one."""
 
 
+@runtime_checkable
+class HeadCopyable(Protocol):
+  """A tied head that a backend may give a copy of its table in a layout of its own (`Embed`)."""
+
+  def add_head_copy(self, layout: str, convert: Callable[[Any, jnp.dtype], Any]) -> int:
+    """Gives the head `convert(table^T as [D, V], compute dtype)` (None: no copy), tagged `layout`; returns its
+    bytes."""
+
+  def drop_head_copy(self) -> None:
+    """Removes the copy: the head reads the table again."""
+
+
 class KernelBackend(abc.ABC):
   """The ops of the paged path; a backend implements all four. `mesh` is the device mesh (or None).
 

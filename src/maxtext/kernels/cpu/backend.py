@@ -22,7 +22,7 @@ from flax import nnx
 
 from maxtext.configs.errors import ConfigError
 from maxtext.kernels import ragged_batch
-from maxtext.kernels.backend import CPU, EXPERT_METHODS, ReferenceBackend, Relayable
+from maxtext.kernels.backend import CPU, EXPERT_METHODS, HeadCopyable, ReferenceBackend, Relayable
 from maxtext.kernels.cpu import cpu_attention, cpu_gated_delta, cpu_gemm, cpu_mamba2, cpu_moe, huge_pages
 from maxtext.kernels.ragged_conv1d import ragged_conv1d
 from maxtext.kernels.ragged_gated_delta_rule import gated_delta_operands
@@ -50,6 +50,18 @@ def to_int8_panels(flat: Any, dtype: jnp.dtype) -> Any:
   """`flat [K, N]` in weight-only int8 column panels, or None when they do not serve it (K not a multiple of
   `cpu_gemm.PANEL`, or whatever `to_panels` declines). Takes a `jax.ShapeDtypeStruct` too."""
   if flat.shape[0] % cpu_gemm.PANEL or to_panels(jax.ShapeDtypeStruct(flat.shape, flat.dtype), dtype) is None:
+    return None
+  return cpu_gemm.to_int8_panels(flat)
+
+
+def to_int8_head(flat: Any, dtype: jnp.dtype) -> Any:
+  """A tied head's `[D, V]` table in weight-only int8 column panels, or None when they do not serve it (D or V not a
+  multiple of `cpu_gemm.PANEL`, another weight dtype, a compute dtype other than float32). Unlike a layer's
+  kernel, any width goes into panels: at one row, a row-major table is read at its full width, and int8 halves or
+  quarters what a step reads. Takes a `jax.ShapeDtypeStruct` too."""
+  if flat.shape[0] % cpu_gemm.PANEL or flat.shape[1] % cpu_gemm.PANEL:
+    return None
+  if jnp.dtype(flat.dtype) not in cpu_gemm.WEIGHT_DTYPES or jnp.dtype(dtype) != jnp.float32:
     return None
   return cpu_gemm.to_int8_panels(flat)
 
@@ -152,12 +164,15 @@ class CpuBackend(ReferenceBackend):
   def prepare_params(self, model: nnx.Module) -> int:
     """With `cpu_weight_panels` and the kernel loaded, every float32 or bfloat16 dense kernel of a float32 layer that
     panels serve (`to_panels`) goes into column panels, in place (an abstract model too); with
-    `quantization=int8w`, into int8 panels where they serve (`to_int8_panels`). Returns the bytes now in a
+    `quantization=int8w`, into int8 panels where they serve (`to_int8_panels`), and a tied head gets an int8 panel
+    copy of its table (the head reads all of it every step; the lookups keep the table). Returns the bytes now in a
     layout."""
     if not self.weight_panels or not cpu_gemm.load():
       return 0
     total = 0
     for _, layer in nnx.iter_modules(model):
+      if self.int8_weights and isinstance(layer, HeadCopyable):
+        total += layer.add_head_copy(PANELS_INT8, to_int8_head)
       if not isinstance(layer, Relayable):
         continue
       if self.int8_weights and getattr(layer, "layout", None) in (None, PANELS_INT8):
@@ -170,6 +185,8 @@ class CpuBackend(ReferenceBackend):
     """Every kernel in column panels back to `[*in, *out]` (`from_panels`; int8 panels dequantized to float32,
     `from_int8_panels`), in place."""
     for _, layer in nnx.iter_modules(model):
+      if isinstance(layer, HeadCopyable):
+        layer.drop_head_copy()
       layout = getattr(layer, "layout", None) if isinstance(layer, Relayable) else None
       if layout == PANELS:
         layer.restore_layout(cpu_gemm.from_panels)

@@ -16,7 +16,7 @@ from maxtext.kernels import backend as kernel_backend
 from maxtext.kernels.cpu import backend as cpu_backend
 from maxtext.kernels.cpu import cpu_gemm
 from maxtext.kernels.cpu.backend import CpuBackend
-from maxtext.layers import linears
+from maxtext.layers import embeddings, linears
 
 needs_kernel = pytest.mark.skipif(
     cpu_gemm.unsupported_reason() is not None, reason="the kernel needs x86-64 with AVX2 and FMA"
@@ -110,6 +110,39 @@ def test_matmuls_mix_int8_bf16_and_float32_panels(m):
   for operand, w, y in zip(operands, dense, jax.jit(cpu_gemm.matmuls)(x, operands)):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(cpu_gemm.matmul)(x, operand)))
     _close(y, x, w)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_tied_head_reads_an_int8_copy_of_its_table(rows):
+  """With int8w the tied head reads int8 panels of `table^T` (the lookups keep the table), matching float64 of the
+  dequantized copy; restore_params drops the copy and the head reads the table again."""
+  embed = embeddings.Embed(96, 64, weight_dtype=jnp.bfloat16, rngs=nnx.Rngs(rows))
+  table = np.asarray(embed.embedding[...]).astype(np.float32)
+  backend = CpuBackend()
+  backend.configure(load_config(model_name="qwen3-tiny", weight_dtype="bfloat16", quantization="int8w"))
+  assert backend.prepare_params(embed) == 96 // 32 * 64 // 32 * cpu_gemm.INT8_BLOCK
+  assert embed.head_layout == cpu_backend.PANELS_INT8 and embed.head[...].shape == (3, 2, cpu_gemm.INT8_BLOCK)
+  held = cpu_gemm.from_int8_panels(np.asarray(embed.head[...]))  # [D, V]
+  np.testing.assert_allclose(held, table.T, rtol=0, atol=np.max(np.abs(table)) / 127)
+  x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 64)), jnp.float32)
+  _close(jax.jit(functools.partial(embed.attend, backend=backend))(x), np.asarray(x), held)
+  tokens = jnp.asarray([3, 95])
+  np.testing.assert_array_equal(np.asarray(embed(tokens)), table[[3, 95]])  # lookups read the table
+  backend.restore_params(embed)
+  assert embed.head is None and embed.head_layout is None
+  _close(embed.attend(x, backend), np.asarray(x), table.T)
+
+
+def test_the_int8_head_copy_serves_multiples_of_32_in_float32_compute_only():
+  assert cpu_backend.to_int8_head(jax.ShapeDtypeStruct((64, 49152), jnp.bfloat16), jnp.float32) == (
+      jax.ShapeDtypeStruct((49152 // 32, 2, cpu_gemm.INT8_BLOCK), jnp.uint8)
+  )
+  assert cpu_backend.to_int8_head(jax.ShapeDtypeStruct((64, 100), jnp.bfloat16), jnp.float32) is None
+  assert cpu_backend.to_int8_head(jax.ShapeDtypeStruct((40, 64), jnp.bfloat16), jnp.float32) is None
+  assert cpu_backend.to_int8_head(jax.ShapeDtypeStruct((64, 64), jnp.bfloat16), jnp.bfloat16) is None
+  embed = embeddings.Embed(100, 64, rngs=nnx.Rngs(0))
+  assert embed.add_head_copy(cpu_backend.PANELS_INT8, cpu_backend.to_int8_head) == 0 and embed.head is None
 
 
 @pytest.mark.parametrize(

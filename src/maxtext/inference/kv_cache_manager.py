@@ -14,7 +14,8 @@ an id names the same block in every array. Layers sharing an array are of differ
 hold one block at once, so their writes never meet. Blocks a sliding-window group frees serve any group next.
 The pool has `num_kv_blocks` blocks when that is set, else as many as `kv_cache_memory_bytes` holds: those bytes
 less the recurrent state slots, divided by the bytes of one block over every attention array (under prefix
-caching a state block joins each block, as the align scheme has one per block); 256 when neither is set.
+caching a state block joins each block, as the align scheme has one per block). When neither is set, 256 blocks per
+attention group: the bytes a layer's cache would take if every group had a pool of 256 blocks of its own.
 
 Physical cache list (`cfg.kv_cache_layout`), one entry per array:
   - `hybrid`: tpu-inference's order (its slot keys in order of first occurrence; recurrent models: group by group);
@@ -65,7 +66,7 @@ logger = logging.getLogger(__name__)
 ATTENTION = ATTENTION_CACHE
 RECURRENT = RECURRENT_CACHE
 MIN_REQUEST_BUCKET = 8
-DEFAULT_NUM_KV_BLOCKS = 256  # the pool when neither num_kv_blocks nor kv_cache_memory_bytes is set
+DEFAULT_NUM_KV_BLOCKS = 256  # per attention group: the pool when neither num_kv_blocks nor kv_cache_memory_bytes is set
 
 
 def max_num_reqs(cfg: Any) -> int:
@@ -167,7 +168,7 @@ class KVCacheManager:
       return explicit
     per_block = self.block_bytes
     if memory <= 0 or per_block == 0:
-      return DEFAULT_NUM_KV_BLOCKS
+      return DEFAULT_NUM_KV_BLOCKS * max(1, sum(g.kind == ATTENTION for g in self.groups))
     fixed = 0 if self.uses_state_blocks else self._recurrent_slot_bytes() * (max_num_reqs(cfg) + 1)
     num_blocks = (memory - fixed) // per_block
     if num_blocks < 2:

@@ -148,7 +148,9 @@ def test_kv_cache_memory_bytes_sizes_the_pool_by_the_layout(configs, make_specs,
   explicit_cfg = configs["gemma3"](hybrid_kv_cache=hybrid_kv_cache, kv_cache_memory_bytes=10**9, num_kv_blocks=7)
   explicit = _manager(explicit_cfg, make_specs)
   assert explicit.num_blocks == 7
-  assert _manager(configs["gemma3"](), make_specs).num_blocks == 256
+  # Neither set: 256 blocks per attention group (three hybrid groups; one without the hybrid allocator).
+  default = _manager(configs["gemma3"](hybrid_kv_cache=hybrid_kv_cache), make_specs)
+  assert default.num_blocks == 256 * len(default.attention_group_ids) == (768 if hybrid_kv_cache else 256)
   too_small = arrays * 32768 + 5
   with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={too_small} holds 1 blocks of {arrays * 32768} bytes"):
     _manager(configs["gemma3"](hybrid_kv_cache=hybrid_kv_cache, kv_cache_memory_bytes=too_small), make_specs)
@@ -182,10 +184,11 @@ def test_describe_slots_and_format_layout(configs, make_specs):
   assert f"total: {6 * 9 * 5632 + 2 * 8388608} bytes" in text
 
   shared = _manager(configs["gemma3"](num_kv_shared_layers=2, kv_cache_layout="layer"), make_specs)
-  assert shared.describe_slots(num_blocks=300)[3].layer_names == ("layer.3", "layer.4")
-  assert "kv_caches[3]: layer.3, layer.4 attention group 2: (300, 16, 4, 1, 128)" in shared.format_layout(300)
+  assert shared.num_blocks == 4 * 256  # four attention groups
+  assert shared.describe_slots(num_blocks=1100)[3].layer_names == ("layer.3", "layer.4")
+  assert "kv_caches[3]: layer.3, layer.4 attention group 2: (1100, 16, 4, 1, 128)" in shared.format_layout(1100)
   gemma = _manager(configs["gemma3"](), make_specs).format_layout()
-  assert "kv_caches[0]: layer.0, layer.1, layer.2 attention groups 0, 1, 2: (256, 16, 4, 1, 128)" in gemma
+  assert "kv_caches[0]: layer.0, layer.1, layer.2 attention groups 0, 1, 2: (768, 16, 4, 1, 128)" in gemma
 
 
 @pytest.mark.parametrize(

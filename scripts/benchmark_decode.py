@@ -58,6 +58,7 @@ Usage: python scripts/benchmark_decode.py [--models llama gemma3 qwen3_next smol
 """
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -360,24 +361,17 @@ def run_maxtext(
     outputs = llm.generate(prompts, params)  # warm-up: compiles this batch's shapes (or loads them from the cache)
     first_s = time.perf_counter() - start
     if first_call_only:
-      out["batches"][str(batch)] = {"first_call_s": first_s, "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+      out["batches"][str(batch)] = {"first_call_s": first_s, "tokens": peers_module.output_tokens(outputs)}
       continue
     traces = llm.engine.stats.step_traces
     decode_times.clear()
-    best, tokens = float("inf"), None
-    for _ in range(repeats):
-      start = time.perf_counter()
-      outputs = llm.generate(prompts, params)
-      best = min(best, time.perf_counter() - start)
-      tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    generate = functools.partial(llm.generate, prompts, params)
+    record = peers_module.timed_batch(generate, batch, new_tokens, repeats, first_s, peers_module.output_tokens)
     out["batches"][str(batch)] = {
-        "first_call_s": first_s,
-        "generate_s": best,
-        "tokens_per_s": batch * new_tokens / best,
+        **record,
         "recompilations": llm.engine.stats.step_traces - traces,
         # Whole engine steps (schedule, model, greedy pick, bookkeeping) of the timed calls; None with 1 new token.
         "decode_step_s": statistics.median(decode_times) if decode_times else None,
-        "tokens": tokens,
     }
     if paired_rounds and new_tokens > 1:
       probe = probe or BandwidthProbe(quick)

@@ -12,6 +12,7 @@ Workers here import their frameworks lazily: `run_llama_cpp` runs in the llama.c
 this package; the module's own imports are the standard library's only.
 """
 
+import functools
 import importlib.util
 import json
 import sys
@@ -136,24 +137,46 @@ def run_llama_cpp(
         break
     return tokens
 
+  def sequences(count: int) -> list[list[int]]:
+    return [one_sequence() for _ in range(count)]
+
   out: dict[str, Any] = {"load_s": load_s, "version": llama_cpp.__version__, "batches": {}}
   for batch in batches:
     start = time.perf_counter()
     for _ in range(batch):
       one_sequence()
     first_s = time.perf_counter() - start
-    best, tokens = float("inf"), None
-    for _ in range(repeats):
-      start = time.perf_counter()
-      tokens = [one_sequence() for _ in range(batch)]
-      best = min(best, time.perf_counter() - start)
-    out["batches"][str(batch)] = {
-        "first_call_s": first_s,
-        "generate_s": best,
-        "tokens_per_s": batch * new_tokens / best,
-        "tokens": tokens,
-    }
+    out["batches"][str(batch)] = timed_batch(functools.partial(sequences, batch), batch, new_tokens, repeats, first_s)
   return out
+
+
+def timed_batch(
+    call: Callable[[], Any],
+    batch: int,
+    new_tokens: int,
+    repeats: int,
+    first_s: float,
+    tokens_of: Callable[[Any], Any] = lambda result: result,
+) -> dict[str, Any]:
+  """One batch's record: `call` (a generation of `new_tokens` tokens for each of `batch` sequences) timed `repeats`
+  times after a warm-up call that took `first_s`. The fastest call counts; the tokens are `tokens_of` the last call's
+  result, taken outside the timing."""
+  best, result = float("inf"), None
+  for _ in range(repeats):
+    start = time.perf_counter()
+    result = call()
+    best = min(best, time.perf_counter() - start)
+  return {
+      "first_call_s": first_s,
+      "generate_s": best,
+      "tokens_per_s": batch * new_tokens / best,
+      "tokens": tokens_of(result),
+  }
+
+
+def output_tokens(outputs: Sequence[Any]) -> list[list[int]]:
+  """The generated token ids of each of vLLM's (or this package's) request outputs."""
+  return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def random_prompts(vocab_size: int, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -183,18 +206,10 @@ def run_transformers(
       start = time.perf_counter()
       model.generate(ids, attention_mask=mask, **kwargs)
       first_s = time.perf_counter() - start
-      best, tokens = float("inf"), None
-      for _ in range(repeats):
-        start = time.perf_counter()
-        result = model.generate(ids, attention_mask=mask, **kwargs)
-        best = min(best, time.perf_counter() - start)
-        tokens = result[:, prompt_len:].tolist()
-    out["batches"][str(batch)] = {
-        "first_call_s": first_s,
-        "generate_s": best,
-        "tokens_per_s": batch * new_tokens / best,
-        "tokens": tokens,
-    }
+      generate = functools.partial(model.generate, ids, attention_mask=mask, **kwargs)
+      out["batches"][str(batch)] = timed_batch(
+          generate, batch, new_tokens, repeats, first_s, lambda result: result[:, prompt_len:].tolist()
+      )
   return out
 
 
@@ -220,18 +235,8 @@ def run_vllm(folder: str, batches: Sequence[int], prompt_len: int, new_tokens: i
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     first_s = time.perf_counter() - start
-    best, tokens = float("inf"), None
-    for _ in range(repeats):
-      start = time.perf_counter()
-      outputs = llm.generate(prompts, params, use_tqdm=False)
-      best = min(best, time.perf_counter() - start)
-      tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    out["batches"][str(batch)] = {
-        "first_call_s": first_s,
-        "generate_s": best,
-        "tokens_per_s": batch * new_tokens / best,
-        "tokens": tokens,
-    }
+    generate = functools.partial(llm.generate, prompts, params, use_tqdm=False)
+    out["batches"][str(batch)] = timed_batch(generate, batch, new_tokens, repeats, first_s, output_tokens)
   return out
 
 

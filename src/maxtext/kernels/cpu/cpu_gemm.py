@@ -53,7 +53,7 @@ SOURCE_DIR = Path(__file__).parent
 SOURCES = tuple(
     SOURCE_DIR / name for name in ("small_gemm.cc", "expert_gemm.cc", "paged_attention.cc", "gated_delta.cc", "mamba2.cc")
 )
-HEADERS = tuple(SOURCE_DIR / name for name in ("gemm_rows.h", "parallel.h", "simd.h", "ragged_state.h"))
+HEADERS = tuple(SOURCE_DIR / name for name in ("gemm_rows.h", "int8_dot.h", "parallel.h", "simd.h", "ragged_state.h"))
 # Rows of x the small-batch products take (one row is a matrix-vector product); steps of up to this many tokens
 # compile without YNNPACK's fusions (`small_batch_compiler_options`).
 MAX_ROWS = 8
@@ -81,6 +81,18 @@ TARGETS = {
     "mamba2": ("maxtext_mamba2", "MaxtextMamba2"),  # served by cpu_mamba2.py
 }
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+# The CPU flags (`/proc/cpuinfo` names) the integer products of int8 panels need (`cpu/int8_dot.h`: AVX-512 VNNI's
+# byte dot products, VBMI's byte permutes), and the compiler flags that enable them. The library is built with them
+# when the CPU has all four; int8 panels are then read with x rounded per row and block of PANEL values to 16-bit
+# integers, |q| <= INT8_DOT_LEVELS (q = round(x * INT8_DOT_LEVELS / the block's largest magnitude)), and the int8
+# products summed exactly. Without them, int8 panels are widened to float32 and x is read as it is.
+INT8_DOT_CPU_FLAGS = {
+    "avx512f": "-mavx512f",
+    "avx512bw": "-mavx512bw",
+    "avx512_vnni": "-mavx512vnni",
+    "avx512vbmi": "-mavx512vbmi",
+}
+INT8_DOT_LEVELS = 32639
 # XLA's CPU compiler hands element-wise and reduction fusions to YNNPACK. In a decode step of a few rows those
 # fusions (the attention's scores, softmax and weighted sum; a Gated DeltaNet's conv) work on a few thousand elements
 # each and cost more per call than XLA's own loops. Programs of 1-8 rows compile without them.
@@ -96,10 +108,11 @@ def cache_dir() -> Path:
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-  """The CPU's feature flags from `/proc/cpuinfo` (or the given text); empty when they cannot be read."""
+  """The CPU's feature flags from `$MAXTEXT_CPUINFO` (a file in `/proc/cpuinfo`'s format; default `/proc/cpuinfo`),
+  or from the given text; empty when they cannot be read."""
   if cpuinfo is None:
     try:
-      cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+      cpuinfo = Path(os.environ.get("MAXTEXT_CPUINFO") or "/proc/cpuinfo").read_text(encoding="utf-8")
     except OSError:
       return set()
   for line in cpuinfo.splitlines():
@@ -118,11 +131,28 @@ def unsupported_reason(machine: str | None = None, flags: set[str] | None = None
   return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
+def int8_dot_reason(flags: set[str] | None = None) -> str | None:
+  """Why the library for this CPU reads int8 panels without integer dot products (it lacks some of
+  `INT8_DOT_CPU_FLAGS`), or None when it reads them with."""
+  flags = cpu_flags() if flags is None else flags
+  missing = sorted(set(INT8_DOT_CPU_FLAGS) - flags)
+  return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def compile_flags(flags: set[str] | None = None) -> tuple[str, ...]:
+  """The compiler flags of the library for a CPU with these flags (default this one's): `INT8_DOT_CPU_FLAGS`'
+  when it has them all."""
+  if int8_dot_reason(flags) is not None:
+    return _FLAGS
+  return _FLAGS + tuple(INT8_DOT_CPU_FLAGS.values())
+
+
 def build(compiler: str | None = None, folder: Path | None = None) -> Path:
   """Compiles the kernels' sources (`SOURCES`) into one shared library, or returns the one compiled before.
 
-  The file name carries a hash of the sources, the flags, the compiler and the JAX version, so a change of any of
-  them builds anew. The library is written under a temporary name and renamed into place, so processes building
+  The file name carries a hash of the sources, the flags (`compile_flags`: they follow the CPU), the compiler and
+  the JAX version, so a change of any of them builds anew. The library is written under a temporary name and
+  renamed into place, so processes building
   at the same time (test workers) never load a partial file.
 
   Args:
@@ -140,10 +170,11 @@ def build(compiler: str | None = None, folder: Path | None = None) -> Path:
     raise RuntimeError("no C++ compiler found (set CXX, or install g++) to build the small-batch matmul kernel")
   folder = cache_dir() if folder is None else folder
   include = jax.ffi.include_dir()
+  flags = compile_flags()
   key = hashlib.sha256()
   for part in (
       *(f.read_bytes() for f in SOURCES + HEADERS),
-      " ".join(_FLAGS).encode(),
+      " ".join(flags).encode(),
       compiler.encode(),
       jax.__version__.encode(),
   ):
@@ -154,7 +185,7 @@ def build(compiler: str | None = None, folder: Path | None = None) -> Path:
   folder.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=folder) as tmp:
     partial = Path(tmp) / path.name
-    command = [compiler, *_FLAGS, f"-I{include}", "-o", str(partial), *map(str, SOURCES)]
+    command = [compiler, *flags, f"-I{include}", "-o", str(partial), *map(str, SOURCES)]
     try:
       result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -378,7 +409,8 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   Args:
     x: `[M, K]` float32, 1 <= M <= 8 (any M >= 1 with panels).
     w: `[K, N]` float32 or bfloat16 (read as it is, summed in float32), or the same in column panels
-      `[N / PANEL, K, PANEL]` (`to_panels`), or int8 panels (`to_int8_panels`, any M).
+      `[N / PANEL, K, PANEL]` (`to_panels`), or int8 panels (`to_int8_panels`, any M; with integer dot products
+      where the CPU has them, `INT8_DOT_CPU_FLAGS`).
 
   Returns:
     `[M, N]` float32.
@@ -399,7 +431,8 @@ def matmuls(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
 
   Args:
     x: `[M, K]` float32, 1 <= M <= 8 (any M >= 1 when every w is in panels).
-    ws: one or more `[K, N_i]` float32 or bfloat16, each row-major or in column panels (`to_panels`).
+    ws: one or more `[K, N_i]` float32 or bfloat16, each row-major or in column panels (`to_panels`), or int8
+      panels.
 
   Returns:
     One `[M, N_i]` float32 per `w`.

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "gemm_rows.h"
+#include "int8_dot.h"
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -53,6 +54,10 @@ using maxtext_cpu::Load8;
 using maxtext_cpu::NNAccumulate;
 using maxtext_cpu::NNStore;
 using maxtext_cpu::ParallelChunks;
+using maxtext_cpu::QuantizedRows;
+#if MAXTEXT_INT8_DOT
+using maxtext_cpu::Int8DotPanel;
+#endif
 using maxtext_cpu::RowAccumulate;
 using maxtext_cpu::ToFloat;
 
@@ -483,12 +488,15 @@ class NNProduct : public ProductTasks {
 };
 
 // One NN product y = x @ w with w in int8 column panels (kInt8Block above), cut into tasks of whole panels as
-// NNProduct's kPanels. One row reads the int8 panel in place (Int8PanelRow); more rows dequantize it once into a
-// float32 panel in the task's buffer, which stays in the cache while the float32 routines read it.
+// NNProduct's kPanels. Where the build has the integer dot products (MAXTEXT_INT8_DOT, int8_dot.h), every row count
+// reads the int8 panel in place with x rounded to 16-bit integers (`xq`). Otherwise one row reads it in place
+// (Int8PanelRow); more rows dequantize it once into a float32 panel in the task's buffer, which stays in the cache
+// while the float32 routines read it.
 class Int8PanelProduct : public ProductTasks {
  public:
-  Int8PanelProduct(const float* x, const AlignedRows* xt, int64_t m, int64_t k, int64_t n, const uint8_t* w, float* y)
-      : x_(x), xt_(xt), m_(m), k_(k), n_(n), w_(w), y_(y) {
+  Int8PanelProduct(const float* x, const AlignedRows* xt, const QuantizedRows* xq, int64_t m, int64_t k, int64_t n,
+                   const uint8_t* w, float* y)
+      : x_(x), xt_(xt), xq_(xq), m_(m), k_(k), n_(n), w_(w), y_(y) {
     const int64_t count = n / kPanel, panel_bytes = k / kPanel * kInt8Block;
     width_ = std::clamp<int64_t>(kPanelTaskBytes / panel_bytes, 1, std::max<int64_t>(1, count / 2));
     tasks_ = (count + width_ - 1) / width_;
@@ -500,9 +508,13 @@ class Int8PanelProduct : public ProductTasks {
 
   void Run(int64_t c) const override {
     const int64_t blocks = k_ / kPanel, end = std::min(n_ / kPanel, (c + 1) * width_);
-    std::vector<float> dequantized(m_ == 1 ? 0 : k_ * kPanel);
+    std::vector<float> dequantized(m_ == 1 || xq_ != nullptr ? 0 : k_ * kPanel);
     for (int64_t t = c * width_; t < end; ++t) {
       const uint8_t* panel = w_ + t * blocks * kInt8Block;
+#if MAXTEXT_INT8_DOT
+      Int8DotPanel(*xq_, m_, panel, blocks, kInt8Block, y_ + t * kPanel, n_);
+      continue;
+#endif
       if (m_ == 1) {
         Int8PanelRow(x_, panel, y_ + t * kPanel, blocks);
         continue;
@@ -523,15 +535,23 @@ class Int8PanelProduct : public ProductTasks {
  private:
   const float* x_;
   const AlignedRows* xt_;
+  const QuantizedRows* xq_;  // x rounded for the integer dot products (MAXTEXT_INT8_DOT), else null
   int64_t m_, k_, n_;
   const uint8_t* w_;
   float* y_;
   int64_t tasks_ = 0, width_ = 0;  // width_: panels per task
 };
 
+// The operands one x shares between its products: x transposed into lanes, x rounded for the integer dot products
+// (each built by the first product that reads it).
+struct SharedX {
+  std::shared_ptr<AlignedRows> xt;
+  std::shared_ptr<QuantizedRows> xq;
+};
+
 // Checks an NN product with w in int8 column panels (uint8 [N / kPanel, K / kPanel, kInt8Block]) and makes it.
 ffi::Error MakeInt8Product(ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& w, ffi::ResultBuffer<ffi::F32>& y,
-                           std::shared_ptr<AlignedRows>* xt, std::unique_ptr<ProductTasks>* product) {
+                           SharedX* shared, std::unique_ptr<ProductTasks>* product) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto yd = y->dimensions();
@@ -543,33 +563,35 @@ ffi::Error MakeInt8Product(ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& w, ff
   if (m < 1 || wd[1] * kPanel != k || yd[0] != m || yd[1] != n) {
     return ffi::Error::InvalidArgument("small_gemm: the shapes of x, int8 column panels w and y do not match");
   }
-  if (m > 1 && m <= kLanes && *xt == nullptr) *xt = std::make_shared<AlignedRows>(x.typed_data(), m, k);
-  *product = std::make_unique<Int8PanelProduct>(x.typed_data(), xt->get(), m, k, n,
+#if MAXTEXT_INT8_DOT
+  if (shared->xq == nullptr) shared->xq = std::make_shared<QuantizedRows>(x.typed_data(), m, k);
+#else
+  if (m > 1 && m <= kLanes && shared->xt == nullptr) shared->xt = std::make_shared<AlignedRows>(x.typed_data(), m, k);
+#endif
+  *product = std::make_unique<Int8PanelProduct>(x.typed_data(), shared->xt.get(), shared->xq.get(), m, k, n,
                                                 static_cast<const uint8_t*>(w.untyped_data()), y->typed_data());
   return ffi::Error::Success();
 }
 
 // Checks one NN product y = x @ w and makes it, by w's element type: float32 or bfloat16 (row-major or column
-// panels), or uint8 (int8 column panels). `xt`: x transposed into lanes, shared by the products of one x (built by
-// the first that reads it).
+// panels), or uint8 (int8 column panels).
 ffi::Error MakeNNProduct(const char* op, ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& w,
-                         ffi::ResultBuffer<ffi::F32>& y, std::shared_ptr<AlignedRows>* xt,
-                         std::unique_ptr<ProductTasks>* product) {
-  if (w.element_type() == ffi::DataType::U8) return MakeInt8Product(x, w, y, xt, product);
+                         ffi::ResultBuffer<ffi::F32>& y, SharedX* shared, std::unique_ptr<ProductTasks>* product) {
+  if (w.element_type() == ffi::DataType::U8) return MakeInt8Product(x, w, y, shared, product);
   return WithWeightType(op, w.element_type(), [&](auto tag) {
     using W = decltype(tag);
     Product<W> p;
-    if (ffi::Error error = Prepare(x, w, y, false, &p, *xt); error.failure()) return error;
-    *xt = p.xt;
+    if (ffi::Error error = Prepare(x, w, y, false, &p, shared->xt); error.failure()) return error;
+    shared->xt = p.xt;
     *product = std::make_unique<NNProduct<W>>(x.typed_data(), p.xt.get(), p.m, p.k, p.n, p.w, p.y, p.panels);
     return ffi::Error::Success();
   });
 }
 
 ffi::Error SmallGemmNN(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
-  std::shared_ptr<AlignedRows> xt;
+  SharedX shared;
   std::unique_ptr<ProductTasks> product;
-  if (ffi::Error error = MakeNNProduct("small_gemm_nn", x, w, y, &xt, &product); error.failure()) return error;
+  if (ffi::Error error = MakeNNProduct("small_gemm_nn", x, w, y, &shared, &product); error.failure()) return error;
   ParallelChunks(product->tasks(), [&product](int64_t c) { product->Run(c); });
   product->Finish();
   return ffi::Error::Success();
@@ -584,13 +606,13 @@ ffi::Error SmallGemmNNMany(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::
   }
   std::vector<std::unique_ptr<ProductTasks>> products(ws.size());
   std::vector<int64_t> first_task = {0};
-  std::shared_ptr<AlignedRows> xt;
+  SharedX shared;
   for (size_t i = 0; i < ws.size(); ++i) {
     auto w = ws.get<ffi::AnyBuffer>(i);
     auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
     if (w.has_error()) return w.error();
     if (y.has_error()) return y.error();
-    if (ffi::Error error = MakeNNProduct("small_gemm_nn_many", x, *w, *y, &xt, &products[i]); error.failure()) {
+    if (ffi::Error error = MakeNNProduct("small_gemm_nn_many", x, *w, *y, &shared, &products[i]); error.failure()) {
       return error;
     }
     first_task.push_back(first_task.back() + products[i]->tasks());

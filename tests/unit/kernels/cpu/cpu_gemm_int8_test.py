@@ -1,7 +1,13 @@
 """Weight-only int8 column panels (`quantization=int8w`): the packed format, the kernel against float64 NumPy over the
-dequantized weights on every row-count path, the checks, the `cpu` backend's layout and the config key."""
+dequantized weights on every row-count path (x rounded to 16-bit integers per block, as documented, where the library
+has the integer dot products; as it is in the build without them), the checks, the `cpu` backend's layout and the
+config key."""
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +29,30 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def _close(got, x: np.ndarray, w: np.ndarray) -> None:
-  """Against float64 of x @ w, w the dequantized weights: float32 sums, within 2e-6 of the largest magnitude."""
+# Whether this machine's library reads int8 panels with integer dot products (x rounded: `_rounded`).
+INT8_DOT = cpu_gemm.int8_dot_reason() is None
+needs_int8_dot = pytest.mark.skipif(not INT8_DOT, reason="the integer products need AVX-512 VNNI and VBMI")
+
+
+def _rounded(x: np.ndarray) -> np.ndarray:
+  """x as the integer products read it (`cpu/int8_dot.h`), in NumPy: per row and block of 32, q = round(x / amax *
+  32639) in float32 (x times 1 / amax, or x / amax when that overflows), ties to even; x = q * amax / 32639."""
+  x = np.asarray(x, np.float32)
+  blocks = x.reshape(x.shape[0], -1, 32)
+  amax = np.max(np.abs(blocks), axis=2, keepdims=True)
+  levels = np.float32(cpu_gemm.INT8_DOT_LEVELS)
+  with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+    inverse = np.float32(1) / amax
+    ratio = np.where(np.isfinite(inverse), blocks * inverse, blocks / amax).astype(np.float32)
+    q = np.where(amax > 0, np.rint((ratio * levels).astype(np.float32)), 0)
+  return (q * (amax.astype(np.float64) / np.float64(levels))).reshape(x.shape)
+
+
+def _close(got, x: np.ndarray, w: np.ndarray, int8: bool = False) -> None:
+  """Against float64 of x @ w, w the dequantized weights (and x as the integer products read it, for an `int8`
+  product on this machine): float32 sums, within 2e-6 of the largest magnitude."""
+  if int8 and INT8_DOT:
+    x = _rounded(x)
   want = x.astype(np.float64) @ w.astype(np.float64)
   got = np.asarray(got)
   assert got.dtype == np.float32 and got.shape == want.shape
@@ -90,7 +118,7 @@ def test_int8_panels_match_float64_of_the_dequantized_weights(m, k, n):
   rng = np.random.default_rng(m * 1000 + k + n)
   x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
   packed = cpu_gemm.to_int8_panels(w)
-  _close(jax.jit(cpu_gemm.matmul)(x, packed), x, cpu_gemm.from_int8_panels(np.asarray(packed)))
+  _close(jax.jit(cpu_gemm.matmul)(x, packed), x, cpu_gemm.from_int8_panels(np.asarray(packed)), int8=True)
 
 
 @needs_kernel
@@ -107,9 +135,79 @@ def test_matmuls_mix_int8_bf16_and_float32_panels(m):
       cpu_gemm.to_panels(jnp.asarray(ws[2])),
   ]
   dense = [cpu_gemm.from_int8_panels(np.asarray(operands[0])), ws[1].astype(ml_dtypes.bfloat16), ws[2]]
-  for operand, w, y in zip(operands, dense, jax.jit(cpu_gemm.matmuls)(x, operands)):
+  for i, (operand, w, y) in enumerate(zip(operands, dense, jax.jit(cpu_gemm.matmuls)(x, operands))):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(cpu_gemm.matmul)(x, operand)))
-    _close(y, x, w)
+    _close(y, x, w, int8=i == 0)
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 9])
+def test_integer_products_round_each_block_of_x_to_16_bit_integers(m):
+  """Blocks of x at the rounding's edges: all zero, a value at the block's largest magnitude (q = +-32639, the high
+  byte's limit), subnormal magnitudes (1 / amax overflows), 1e30; rows of every count path. The rounding stays within
+  half a step (amax / 32639 / 2) of each value, so the product is within 1e-4 of the unrounded one."""
+  assert cpu_gemm.load()
+  rng = np.random.default_rng(m)
+  x = rng.standard_normal((m, 160)).astype(np.float32)
+  x[:, 0:32] = 0.0
+  x[:, 32] = -np.abs(x[:, 32:64]).max(axis=1) * 2
+  x[:, 64:96] *= np.float32(1e-40)
+  x[:, 96:128] *= np.float32(1e30)
+  w = rng.standard_normal((160, 64)).astype(np.float32)
+  w[96:128] *= np.float32(1e-30)
+  packed = cpu_gemm.to_int8_panels(w)
+  held = cpu_gemm.from_int8_panels(np.asarray(packed))
+  got = jax.jit(cpu_gemm.matmul)(x, packed)
+  _close(got, x, held, int8=True)
+  blocks = x.reshape(m, 5, 32).astype(np.float64)
+  step = np.abs(blocks).max(axis=2, keepdims=True) / cpu_gemm.INT8_DOT_LEVELS
+  assert np.all(np.abs(_rounded(x).reshape(m, 5, 32) - blocks) <= step * 0.5001)
+  plain = x.astype(np.float64) @ held.astype(np.float64)
+  np.testing.assert_allclose(np.asarray(got), plain, rtol=0, atol=1e-4 * np.max(np.abs(plain)))
+
+
+@needs_int8_dot
+def test_integer_products_give_nan_for_a_row_with_an_infinity_or_nan():
+  """As a float32 product would: the row holding it is NaN (every column), the other rows are untouched."""
+  assert cpu_gemm.load()
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((3, 64)).astype(np.float32)
+  x[0, 40], x[2, 3] = np.inf, np.nan
+  w = rng.standard_normal((64, 32)).astype(np.float32)
+  packed = cpu_gemm.to_int8_panels(w)
+  got = np.asarray(jax.jit(cpu_gemm.matmul)(x, packed))
+  assert np.all(np.isnan(got[0])) and np.all(np.isnan(got[2]))
+  _close(got[1:2], x[1:2], cpu_gemm.from_int8_panels(np.asarray(packed)), int8=True)
+
+
+@needs_kernel
+def test_a_library_built_without_the_integer_products_reads_x_as_it_is(tmp_path):
+  """`$MAXTEXT_CPUINFO` naming a CPU without AVX-512 builds the library without them (its own file in the cache):
+  int8 panels are then widened to float32 and x is not rounded, at every row-count path."""
+  cpuinfo = tmp_path / "cpuinfo"
+  cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n", encoding="utf-8")
+  script = textwrap.dedent("""
+      import jax, numpy as np
+      from maxtext.kernels.cpu import cpu_gemm
+      assert cpu_gemm.int8_dot_reason() is not None and cpu_gemm.load()
+      assert not any("avx512" in flag for flag in cpu_gemm.compile_flags())
+      rng = np.random.default_rng(0)
+      w = rng.standard_normal((96, 64)).astype(np.float32)
+      packed = cpu_gemm.to_int8_panels(w)
+      held = cpu_gemm.from_int8_panels(np.asarray(packed)).astype(np.float64)
+      for m in (1, 3, 12):
+        x = rng.standard_normal((m, 96)).astype(np.float32)
+        want = x.astype(np.float64) @ held
+        got = np.asarray(jax.jit(cpu_gemm.matmul)(x, packed))
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.max(np.abs(want)))
+      print("ok", sorted(p.name for p in cpu_gemm.cache_dir().glob("*.so")))
+      """)
+  env = dict(os.environ, MAXTEXT_CPUINFO=str(cpuinfo), MAXTEXT_CACHE_DIR=str(tmp_path / "cache"))
+  result = subprocess.run(
+      [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600, check=False
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.startswith("ok ['maxtext_cpu-")
 
 
 @needs_kernel
@@ -126,7 +224,7 @@ def test_a_tied_head_reads_an_int8_copy_of_its_table(rows):
   held = cpu_gemm.from_int8_panels(np.asarray(embed.head[...]))  # [D, V]
   np.testing.assert_allclose(held, table.T, rtol=0, atol=np.max(np.abs(table)) / 127)
   x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 64)), jnp.float32)
-  _close(jax.jit(functools.partial(embed.attend, backend=backend))(x), np.asarray(x), held)
+  _close(jax.jit(functools.partial(embed.attend, backend=backend))(x), np.asarray(x), held, int8=True)
   tokens = jnp.asarray([3, 95])
   np.testing.assert_array_equal(np.asarray(embed(tokens)), table[[3, 95]])  # lookups read the table
   backend.restore_params(embed)
@@ -213,7 +311,7 @@ def test_prepare_params_quantizes_what_int8_panels_serve(rows):
   run = functools.partial(linears.project, layers=list(layers[:2]), backend=backend)
   assert _converts(run, x) == [] and str(jax.make_jaxpr(run)(x)).count("ffi_call") == 1
   for y, w in zip(jax.jit(run)(x), held):
-    _close(np.asarray(y).reshape(rows, -1), np.asarray(x), w)
+    _close(np.asarray(y).reshape(rows, -1), np.asarray(x), w, int8=True)
   x40 = x[:, :40]
   _close(jax.jit(functools.partial(layers[2], backend=backend))(x40), np.asarray(x40), held[2])
   backend.restore_params(layers)

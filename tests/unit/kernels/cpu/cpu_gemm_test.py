@@ -37,6 +37,26 @@ def test_cpu_flags_reads_the_flags_line():
   assert cpu_gemm.cpu_flags("processor: 0\n") == set()
 
 
+def test_cpu_flags_read_the_file_maxtext_cpuinfo_names(monkeypatch, tmp_path):
+  cpuinfo = tmp_path / "cpuinfo"
+  cpuinfo.write_text("flags\t\t: avx2 fma avx512f\n", encoding="utf-8")
+  monkeypatch.setenv("MAXTEXT_CPUINFO", str(cpuinfo))
+  assert cpu_gemm.cpu_flags() == {"avx2", "fma", "avx512f"}
+  monkeypatch.setenv("MAXTEXT_CPUINFO", str(tmp_path / "missing"))
+  assert cpu_gemm.cpu_flags() == set()
+
+
+def test_the_library_takes_the_integer_products_where_the_cpu_has_all_four_flags():
+  avx2 = {"avx2", "fma"}
+  full = avx2 | {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"}
+  assert cpu_gemm.int8_dot_reason(full) is None
+  assert cpu_gemm.compile_flags(full)[-4:] == ("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx512vbmi")
+  assert cpu_gemm.int8_dot_reason(full - {"avx512vbmi"}) == "the CPU lacks avx512vbmi"
+  assert cpu_gemm.int8_dot_reason(avx2) == "the CPU lacks avx512_vnni, avx512bw, avx512f, avx512vbmi"
+  assert cpu_gemm.compile_flags(full - {"avx512_vnni"}) == cpu_gemm.compile_flags(avx2)
+  assert not any("avx512" in flag for flag in cpu_gemm.compile_flags(avx2))
+
+
 @pytest.mark.parametrize(
     "machine, flags, reason",
     [

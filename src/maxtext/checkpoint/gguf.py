@@ -2,8 +2,9 @@
 
 Architectures: those a family declares (`Family.gguf`), `llama` (decoder_block llama2) and `qwen3`. The container
 (header, metadata, tensor index, block types) is read by `gguf_format`, which maps the file and dequantizes a tensor
-to float32 only when it is read (see `SUPPORTED_TENSOR_TYPES`). GGUF's conventions are undone on the way in, so the
-Hugging Face layout code (`hf_layout`) builds the canonical parameters exactly as for a safetensors folder:
+into the weight dtype only when it is read, a chunk at a time (see `SUPPORTED_TENSOR_TYPES`). GGUF's conventions are
+undone on the way in, so the Hugging Face layout code (`hf_layout`) builds the canonical parameters exactly as for
+a safetensors folder:
   - tensor names (`blk.{i}.attn_q.weight`, `token_embd.weight`, ...) map to the Hugging Face names;
   - dimensions are stored innermost first (a Linear [out, in] is listed as [in, out]); the reader's arrays are in
     row-major order, so a dequantized tensor already has the Hugging Face shape;
@@ -39,7 +40,7 @@ from maxtext.configs import families, load_config
 # GGUF general.architecture -> Hugging Face model_type (whose config mapping and tensor layout are reused); each
 # family declares the architectures holding it (`Family.gguf`).
 ARCHITECTURES: dict[str, str] = {a: families.gguf_mapping(a).model_type for a in families.gguf_architectures()}
-# ggml tensor types this loader reads (dequantized to float32 by `gguf_format.dequantize`).
+# ggml tensor types this loader reads (dequantized through float32 chunks by `gguf_format.dequantize`).
 SUPPORTED_TENSOR_TYPES: tuple[str, ...] = gguf_format.DEQUANTIZED_TYPES
 # llama.cpp's tokenizer.ggml.pre names -> the pre-tokenizer of the vocabulary (see `_pre_tokenizer`).
 _QWEN2_SPLIT = (
@@ -160,9 +161,10 @@ class GGUFFile:
       raise GGUFError(f"{self.path}: metadata general.architecture is missing")
     return arch
 
-  def read(self, name: str) -> np.ndarray:
-    """The tensor of Hugging Face name `name`, dequantized to float32 in Hugging Face shape."""
-    return self._container.dequantize(self._raw[name])
+  def read(self, name: str, dtype: Any = np.float32) -> np.ndarray:
+    """The tensor of Hugging Face name `name`, dequantized to `dtype` (float32, or a narrower float such as bfloat16,
+    never held whole in float32: `GGUFContainer.dequantize`) in Hugging Face shape."""
+    return self._container.dequantize(self._raw[name], dtype)
 
 
 @functools.lru_cache(maxsize=2)
@@ -328,7 +330,7 @@ def _validate(file: GGUFFile, recipes: list[hf_layout.Recipe]) -> None:
         )
 
 
-def _reader(file: GGUFFile, cfg: Any):
+def _reader(file: GGUFFile, cfg: Any, dtype: np.dtype):
   permute = {}
   mapping = families.gguf_mapping(file.architecture)
   if mapping is not None and mapping.permuted_rope_rows:
@@ -339,7 +341,7 @@ def _reader(file: GGUFFile, cfg: Any):
       permute[f"model.layers.{i}.self_attn.k_proj.bias"] = cfg.base_num_kv_heads
 
   def read(name: str) -> np.ndarray:
-    array = file.read(name)
+    array = file.read(name, dtype)
     return _unpermute_rope_rows(array, permute[name]) if name in permute else array
 
   return read
@@ -367,7 +369,8 @@ def iter_gguf_params(
   file = open_gguf(path)
   recipes = hf_layout.build_recipes(cfg, file.tensors.keys())
   _validate(file, recipes)
-  return _stream(file, recipes, np.dtype(jnp.dtype(cfg.weight_dtype)), _reader(file, cfg), progress)
+  dtype = np.dtype(jnp.dtype(cfg.weight_dtype))
+  return _stream(file, recipes, dtype, _reader(file, cfg, dtype), progress)
 
 
 def _stream(file, recipes, dtype, read, progress) -> Iterator[tuple[str, np.ndarray]]:

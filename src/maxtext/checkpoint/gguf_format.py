@@ -50,6 +50,7 @@ _BLOCKS: dict[str, tuple[np.dtype, int]] = {
     "Q5_1": (np.dtype([("d", _HALF), ("m", _HALF), ("h", "<u4"), ("q", "u1", 16)]), 32),
 }
 DEQUANTIZED_TYPES: tuple[str, ...] = tuple(_BLOCKS)
+CHUNK_VALUES = 1 << 20  # weights a read dequantizes at a time (4 MiB of float32, whatever the tensor's size)
 # Metadata value types: id -> numpy dtype of a scalar (8 string, 9 array, 7 bool are read apart).
 _SCALARS: dict[int, np.dtype] = {
     0: np.dtype("u1"), 1: np.dtype("i1"), 2: np.dtype("<u2"), 3: np.dtype("<i2"), 4: np.dtype("<u4"),
@@ -196,12 +197,19 @@ class GGUFContainer:
     if end > self.size:
       raise GGUFFormatError(f"tensor {tensor.name!r} ends at byte {end}, past the end of the file")
 
-  def dequantize(self, tensor: TensorInfo) -> np.ndarray:
-    """`tensor` as float32 in its row-major shape (a new array; the mapping is only read)."""
+  def dequantize(self, tensor: TensorInfo, dtype: Any = np.float32) -> np.ndarray:
+    """`tensor` in `dtype` (float32, or a narrower float such as bfloat16) in its row-major shape (a new array; the
+    mapping is only read). The blocks are dequantized `CHUNK_VALUES` weights at a time into float32, each chunk cast
+    into the result (to nearest, ties to even): a tensor read in bfloat16 is never held whole in float32."""
     block, per_block = _BLOCKS[tensor.type_name]
     count = int(np.prod(tensor.shape, dtype=np.int64))
     raw = np.frombuffer(self._map, block, count // per_block, tensor.offset)
-    return dequantize(raw, tensor.type_name).reshape(tensor.shape)
+    out = np.empty(count, dtype)
+    step = max(1, CHUNK_VALUES // per_block)  # blocks per chunk
+    for first in range(0, raw.shape[0], step):
+      chunk = raw[first : first + step]
+      out[first * per_block : (first + chunk.shape[0]) * per_block] = dequantize(chunk, tensor.type_name)
+    return out.reshape(tensor.shape)
 
 
 def dequantize(blocks: np.ndarray, type_name: str) -> np.ndarray:

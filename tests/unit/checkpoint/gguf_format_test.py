@@ -2,7 +2,9 @@
 type compared with `gguf.GGUFReader`'s, tensors with `gguf.quants.dequantize`, and hand-made broken headers."""
 
 import struct
+import tracemalloc
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -85,6 +87,29 @@ def test_tensors_dequantize_as_gguf_dequantizes_them(tmp_path, type_name, alignm
   assert got.dtype == np.float32
   np.testing.assert_array_equal(got, np.asarray(expected, np.float32).reshape(3, 5, 64))
   np.testing.assert_array_equal(container.dequantize(infos["odd"]), odd)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "F16", "F32"])
+def test_a_bfloat16_read_rounds_float32_and_never_holds_the_tensor_in_float32(tmp_path, monkeypatch, type_name):
+  """Read in bfloat16 a chunk at a time: bit for bit the float32 read cast to bfloat16; the read's peak memory stays
+  below the result plus a few chunks, under the 1 MiB a float32 copy of the tensor would take."""
+  qtype = gguf.GGMLQuantizationType[type_name]
+  x = np.random.default_rng(5).standard_normal((256, 1024)).astype(np.float32)
+  data = x if type_name == "F32" else x.astype(np.float16) if type_name == "F16" else gguf.quants.quantize(x, qtype)
+  path = _write(tmp_path / "t.gguf", tensors=[("t", data, None if type_name in ("F32", "F16") else qtype)])
+  container = gguf_format.GGUFContainer(path)
+  (info,) = container.tensors
+  want = container.dequantize(info).astype(ml_dtypes.bfloat16)
+  monkeypatch.setattr(gguf_format, "CHUNK_VALUES", 4096)
+  tracemalloc.start()
+  try:
+    got = container.dequantize(info, ml_dtypes.bfloat16)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert got.dtype == ml_dtypes.bfloat16 and got.shape == (256, 1024)
+  np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+  assert peak < got.nbytes + 16 * 4096 * 4 < x.nbytes
 
 
 def _header(version=3, tensors=0, fields=0, body=b""):

@@ -68,6 +68,7 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Weight-only int8 (`to_int8_panels`): blocks of PANEL rows (along K) of a panel, one float32 scale per (block, column),
 # packed per block as its PANEL x PANEL int8 weights (row by row) and then its PANEL scales: INT8_BLOCK bytes.
 INT8_BLOCK = PANEL * PANEL + 4 * PANEL
+INT8_CHUNK_VALUES = 1 << 20  # weights `to_int8_panels` quantizes at a time (whole panels, at least one)
 # Every dtype a weight reaches the NN kernel in: uint8 only as int8 panels.
 KERNEL_DTYPES = WEIGHT_DTYPES + (jnp.dtype(jnp.uint8),)
 TARGETS = {
@@ -315,7 +316,7 @@ def to_int8_panels(w: Any) -> Any:
   scale is the block's largest magnitude in it over 127 (1 for an all-zero column) and its weights are rounded to
   the nearest multiple of the scale, in [-127, 127]. The block is stored as its int8 weights, row by row, then the
   float32 scales. Works on a `jax.ShapeDtypeStruct` (the shape only) and on concrete arrays (with NumPy, in place of
-  an XLA program per shape).
+  an XLA program per shape, a few panels at a time: a bfloat16 `w` is never held whole in float32).
 
   Raises:
     ValueError: `w` is not 2-D with K and N multiples of `PANEL`.
@@ -325,13 +326,23 @@ def to_int8_panels(w: Any) -> Any:
   k, n = w.shape
   if isinstance(w, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct((n // PANEL, k // PANEL, INT8_BLOCK), jnp.uint8)
-  blocks = np.asarray(w, np.float32).reshape(k // PANEL, PANEL, n // PANEL, PANEL).transpose(2, 0, 1, 3)  # [T, B, k, c]
-  amax = np.max(np.abs(blocks), axis=2)  # [T, B, c]
-  # Contiguous, so that the bytes can be viewed whatever the memory order of `w` (a transposed view, say).
-  scale = np.ascontiguousarray(np.where(amax > 0, amax / 127, 1), np.float32)
-  q = np.ascontiguousarray(np.clip(np.rint(blocks / scale[:, :, None, :]), -127, 127), np.int8)
-  packed = np.concatenate([q.reshape(n // PANEL, k // PANEL, PANEL * PANEL).view(np.uint8), scale.view(np.uint8)], axis=2)
-  return jax.device_put(np.ascontiguousarray(packed))
+  w = np.asarray(w)
+  packed = np.empty((n // PANEL, k // PANEL, INT8_BLOCK), np.uint8)
+  step = max(1, INT8_CHUNK_VALUES // (k * PANEL))  # panels per chunk
+  for first in range(0, n // PANEL, step):
+    columns = w[:, first * PANEL : (first + step) * PANEL]
+    count = columns.shape[1] // PANEL
+    blocks = (
+        np.asarray(columns, np.float32).reshape(k // PANEL, PANEL, count, PANEL).transpose(2, 0, 1, 3)
+    )  # [T, B, k, c]
+    amax = np.max(np.abs(blocks), axis=2)  # [T, B, c]
+    # Contiguous, so that the bytes can be viewed whatever the memory order of `w` (a transposed view, say).
+    scale = np.ascontiguousarray(np.where(amax > 0, amax / 127, 1), np.float32)
+    q = np.ascontiguousarray(np.clip(np.rint(blocks / scale[:, :, None, :]), -127, 127), np.int8)
+    chunk = packed[first : first + count]
+    chunk[..., : PANEL * PANEL] = q.reshape(count, k // PANEL, PANEL * PANEL).view(np.uint8)
+    chunk[..., PANEL * PANEL :] = scale.view(np.uint8)
+  return jax.device_put(packed)
 
 
 def from_int8_panels(panels: Any) -> Any:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,22 @@ def test_int8_panels_of_a_transposed_view_equal_those_of_a_copy():
   np.testing.assert_array_equal(
       np.asarray(cpu_gemm.to_int8_panels(w)), np.asarray(cpu_gemm.to_int8_panels(np.ascontiguousarray(w)))
   )
+
+
+def test_int8_panels_quantize_a_few_panels_at_a_time(monkeypatch):
+  """Bit for bit the panels of one pass over the whole matrix; the peak memory stays below the panels plus a few
+  chunks, under the 2 MiB a float32 copy of the bfloat16 matrix would take."""
+  w = np.random.default_rng(4).standard_normal((512, 1024)).astype(ml_dtypes.bfloat16)
+  want = np.asarray(cpu_gemm.to_int8_panels(w))
+  monkeypatch.setattr(cpu_gemm, "INT8_CHUNK_VALUES", 512 * 32 * 2)  # two panels
+  tracemalloc.start()
+  try:
+    got = np.asarray(cpu_gemm.to_int8_panels(w))
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  np.testing.assert_array_equal(got, want)
+  assert peak < want.nbytes + 4 * 512 * 64 * 4 < w.size * 4
 
 
 def test_int8_panels_of_bf16_weights():

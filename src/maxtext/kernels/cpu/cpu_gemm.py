@@ -11,15 +11,17 @@ the stacked `[E, K, N]` weights (XLA copies a matrix it slices out of them befor
 several products of one input (a block's projections, through the backend's `project`) in one call, and
 `expert_matmuls` several expert products of one routing (an expert's gate and up). The NN products also
 take a weight in column panels (`to_panels`, `[N / PANEL, K, PANEL]`, how the `cpu` backend stores the dense kernels:
-`CpuBackend.prepare_params`), read a panel at a time at any number of rows, a prefill's included.
+`CpuBackend.prepare_params`), read a panel at a time at any number of rows, a prefill's included, and weight-only
+int8 panels (`to_int8_panels`), read with AVX-512 VNNI's integer dot products where the CPU has them
+(`INT8_DOT_CPU_FLAGS`, `cpu/int8_dot.h`).
 
 The same library holds the paged attention handler (`cpu/paged_attention.cc`), which `cpu_attention.py` serves,
 the gated delta rule's recurrence (`cpu/gated_delta.cc`), which `cpu_gated_delta.py` serves, and Mamba2's
 (`cpu/mamba2.cc`), which `cpu_mamba2.py` serves; both run on `cpu/ragged_state.h`.
 
-The kernel is C++ shipped as source: `load()` compiles it once per source, JAX version and compiler into
-`kernels/` under this package's cache folder (`$MAXTEXT_CACHE_DIR`, else `~/.cache/maxtext`) with the system C++
-compiler and JAX's FFI headers, then registers its handlers with XLA. Without a compiler, on another CPU, or
+The kernel is C++ shipped as source: `load()` compiles it once per source, JAX version, compiler and CPU flags
+(`compile_flags`) into `kernels/` under this package's cache folder (`$MAXTEXT_CACHE_DIR`, else `~/.cache/maxtext`)
+with the system C++ compiler and JAX's FFI headers, then registers its handlers with XLA. Without a compiler, on another CPU, or
 when the build fails, `load()` says why once in the log and XLA's dot is used: the kernel is an optimisation, never a
 requirement.
 

@@ -21,9 +21,9 @@ the gated delta rule's recurrence (`cpu/gated_delta.cc`), which `cpu_gated_delta
 
 The kernel is C++ shipped as source: `load()` compiles it once per source, JAX version, compiler and CPU flags
 (`compile_flags`) into `kernels/` under this package's cache folder (`$MAXTEXT_CACHE_DIR`, else `~/.cache/maxtext`)
-with the system C++ compiler and JAX's FFI headers, then registers its handlers with XLA. Without a compiler, on another CPU, or
-when the build fails, `load()` says why once in the log and XLA's dot is used: the kernel is an optimisation, never a
-requirement.
+with the system C++ compiler and JAX's FFI headers, then registers its handlers with XLA. Without a compiler, on
+another CPU, or when the build fails, `load()` says why once in the log and XLA's dot is used: the kernel is an
+optimisation, never a requirement.
 
 Only the `cpu` kernel backend (`backend.CpuBackend`) calls `matmul` / `matmuls` / `matmul_transposed` /
 `expert_matmul(s)`, for the products `applies*` accept; every other product, and every other backend, stays an XLA dot.

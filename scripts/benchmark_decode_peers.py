@@ -143,8 +143,7 @@ def run_llama_cpp(
   out: dict[str, Any] = {"load_s": load_s, "version": llama_cpp.__version__, "batches": {}}
   for batch in batches:
     start = time.perf_counter()
-    for _ in range(batch):
-      one_sequence()
+    sequences(batch)
     first_s = time.perf_counter() - start
     out["batches"][str(batch)] = timed_batch(functools.partial(sequences, batch), batch, new_tokens, repeats, first_s)
   return out

@@ -168,7 +168,7 @@ class KVCacheManager:
       return explicit
     per_block = self.block_bytes
     if memory <= 0 or per_block == 0:
-      return DEFAULT_NUM_KV_BLOCKS * max(1, sum(g.kind == ATTENTION for g in self.groups))
+      return DEFAULT_NUM_KV_BLOCKS * max(1, len(self.attention_group_ids))
     fixed = 0 if self.uses_state_blocks else self._recurrent_slot_bytes() * (max_num_reqs(cfg) + 1)
     num_blocks = (memory - fixed) // per_block
     if num_blocks < 2:

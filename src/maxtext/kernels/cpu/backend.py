@@ -39,11 +39,15 @@ def to_panels(flat: Any, dtype: jnp.dtype) -> Any:
   does not read, `cpu_gemm.WEIGHT_DTYPES`; a compute `dtype` other than float32; N not a multiple of
   `cpu_gemm.PANEL` or over `cpu_gemm.MAX_PANEL_COLUMNS`). Takes a `jax.ShapeDtypeStruct` too."""
   n = flat.shape[1]
-  if n % cpu_gemm.PANEL or n > cpu_gemm.MAX_PANEL_COLUMNS:
-    return None
-  if jnp.dtype(flat.dtype) not in cpu_gemm.WEIGHT_DTYPES or jnp.dtype(dtype) != jnp.float32:
+  if n % cpu_gemm.PANEL or n > cpu_gemm.MAX_PANEL_COLUMNS or not _kernel_reads(flat, dtype):
     return None
   return cpu_gemm.to_panels(flat)
+
+
+def _kernel_reads(flat: Any, dtype: jnp.dtype) -> bool:
+  """Whether the kernel reads `flat`'s weight dtype (`cpu_gemm.WEIGHT_DTYPES`) in a layer of compute `dtype` (float32
+  only)."""
+  return jnp.dtype(flat.dtype) in cpu_gemm.WEIGHT_DTYPES and jnp.dtype(dtype) == jnp.float32
 
 
 def to_int8_panels(flat: Any, dtype: jnp.dtype) -> Any:
@@ -59,9 +63,7 @@ def to_int8_head(flat: Any, dtype: jnp.dtype) -> Any:
   multiple of `cpu_gemm.PANEL`, another weight dtype, a compute dtype other than float32). Unlike a layer's
   kernel, any width goes into panels: at one row, a row-major table is read at its full width, and int8 halves or
   quarters what a step reads. Takes a `jax.ShapeDtypeStruct` too."""
-  if flat.shape[0] % cpu_gemm.PANEL or flat.shape[1] % cpu_gemm.PANEL:
-    return None
-  if jnp.dtype(flat.dtype) not in cpu_gemm.WEIGHT_DTYPES or jnp.dtype(dtype) != jnp.float32:
+  if flat.shape[0] % cpu_gemm.PANEL or flat.shape[1] % cpu_gemm.PANEL or not _kernel_reads(flat, dtype):
     return None
   return cpu_gemm.to_int8_panels(flat)
 

@@ -60,8 +60,9 @@ class QuantizedRows {
       __m512i q0 = _mm512_setzero_si512(), q1 = q0;
       if (finite && amax > 0.0f) {
         // 1 / amax overflows for the smallest subnormal magnitudes; x / amax (at most 1 in magnitude) does not.
-        const __m512 inverse = _mm512_set1_ps(1.0f / amax);
-        const bool tiny = !std::isfinite(1.0f / amax);
+        const float reciprocal = 1.0f / amax;
+        const bool tiny = !std::isfinite(reciprocal);
+        const __m512 inverse = _mm512_set1_ps(reciprocal);
         const __m512 amax_v = _mm512_set1_ps(amax);
         const __m512 r0 = tiny ? _mm512_div_ps(x0, amax_v) : _mm512_mul_ps(x0, inverse);
         const __m512 r1 = tiny ? _mm512_div_ps(x1, amax_v) : _mm512_mul_ps(x1, inverse);

@@ -52,3 +52,15 @@ def test_a_mesh_that_does_not_divide_the_heads_names_the_key():
     LLM(model_name="qwen3-tiny", ici_tensor_parallelism=3)
   with pytest.raises(ConfigError, match=r"ici_tensor_parallelism=8: the runner replicates base_num_kv_heads=2 to 8"):
     LLM(model_name="qwen3-tiny", ici_tensor_parallelism=8)
+
+
+@pytest.mark.slow
+def test_a_cache_laid_out_per_shard_decodes_like_one_device():
+  """gpt-oss-tiny's head-dim-64 cache in bfloat16 over 2 shards: one head per shard, each padded to a pair of rows
+  (2 rows where one device packs both heads in one), as the runner allocates it; the tokens stay the same."""
+  dtype = {"kv_cache_dtype": "bfloat16"}
+  single, one = _tokens("gpt-oss-tiny", **dtype)
+  sharded, two = _tokens("gpt-oss-tiny", ici_tensor_parallelism=2, **dtype)
+  assert one.engine.manager.cache_shapes()[0].shape[2:] == (1, 2, 128)
+  assert two.engine.manager.cache_shapes()[0].shape[2:] == (2, 2, 128)
+  assert sharded == single

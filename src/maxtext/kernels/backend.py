@@ -193,6 +193,7 @@ class KernelBackend(abc.ABC):
       attn_logits_soft_cap: float | None = None,
       *,
       num_kv_heads: int | None = None,
+      num_kv_shards: int = 1,
   ) -> tuple[jax.Array, jax.Array]:
     """Writes the new K/V (unless `update_kv_cache=False`) and attends every query over its request's pages.
 
@@ -212,6 +213,8 @@ class KernelBackend(abc.ABC):
       use_causal_mask: causal masking (the runner always asks for it).
       attn_logits_soft_cap: tanh soft cap, or None.
       num_kv_heads: the cache's real KV heads when k/v are None.
+      num_kv_shards: the tensor-parallel shards the cache's packed-head axis is laid out for (each shard packs its
+        own heads, `kv_cache_layout.get_kv_cache_shape`).
 
     Returns:
       `[T, Hq, d]` output and the cache after the step.
@@ -364,6 +367,7 @@ class ReferenceBackend(KernelBackend):
       attn_logits_soft_cap=None,
       *,
       num_kv_heads=None,
+      num_kv_shards=1,
   ):
     if not use_causal_mask:
       raise NotImplementedError("the reference ragged_paged_attention implements causal attention only")
@@ -384,6 +388,7 @@ class ReferenceBackend(KernelBackend):
         soft_cap=attn_logits_soft_cap,
         update_kv_cache=update_kv_cache,
         num_kv_heads=num_kv_heads,
+        num_kv_shards=num_kv_shards,
     )
 
   def gdn_attention(  # pylint: disable=too-many-positional-arguments

@@ -65,6 +65,8 @@ class AttentionSpec:
   head_dim: int  # the real head dim (padding to 128 happens in the layout)
   dtype: str
   sliding_window: int | None  # None: the layer reads every earlier token
+  # Tensor-parallel shards of the packed-head axis; each packs its own heads (`kv_cache_layout`).
+  num_shards: int = 1
 
   cache_kind = ATTENTION_CACHE
 
@@ -75,7 +77,7 @@ class AttentionSpec:
 
   def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
     """The runner's cache shape for `num_blocks` blocks."""
-    return get_kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+    return get_kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.num_shards)
 
   def page_size_bytes(self) -> int:
     """Bytes of one block."""

@@ -10,6 +10,12 @@ One cache array per attention slot, rank 5, zero-filled by the runner:
 
 `pk = 32 / bits` is the dtype packing: 1 for fp32, 2 for bf16/fp16, 4 for fp8/int8. Padding rows and columns are
 zeros and are never read back as data.
+
+Under tensor parallelism over `S` shards the runner shards the packed-head axis, and each shard holds the layout of
+its own `Hkv / S` heads (`runner/kv_cache.py::get_kv_cache_shape_with_mesh`): the axis is `S` per-shard blocks of
+rows, shard `s` holding KV heads `s * Hkv / S ...`, each block padded to whole groups of `pk` on its own. Where a
+shard's heads do not fill whole groups (the head-dim-64 layout with an odd head count per shard in bf16), that is
+more rows than the unsharded layout has; otherwise the two are the same array. `num_shards` selects it.
 """
 
 import jax
@@ -86,8 +92,19 @@ def uses_hd64_layout(head_dim: int) -> bool:
   return get_padded_head_dim(head_dim) == HD64_HEAD_DIM
 
 
+def _heads_per_shard(num_kv_heads: int, num_shards: int) -> int:
+  _check_positive_int(num_kv_heads, "num_kv_heads")
+  _check_positive_int(num_shards, "num_shards")
+  if num_kv_heads % num_shards:
+    raise ValueError(
+        f"num_kv_heads ({num_kv_heads}) must be a multiple of num_shards ({num_shards}): each tensor-parallel shard"
+        " holds whole heads"
+    )
+  return num_kv_heads // num_shards
+
+
 def get_kv_cache_shape(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike, num_shards: int = 1
 ) -> tuple[int, int, int, int, int]:
   """Shape of one layer's paged KV cache (docs/runner-contract.md).
 
@@ -97,38 +114,49 @@ def get_kv_cache_shape(
     num_kv_heads: KV heads Hkv (already padded for tensor parallelism, see `get_padded_num_heads`).
     head_dim: the real head dim d (padding is applied here).
     dtype: cache dtype; sets the packing pk.
+    num_shards: tensor-parallel shards S of the packed-head axis (the module docstring).
 
   Returns:
-    `(N, block_size, align(2 Hkv, pk) / pk, pk, align(d, 128))`, or `(N, block_size, align(Hkv, pk) / pk, pk, 128)`
-    when d == 64.
+    `(N, block_size, S * align(2 Hkv / S, pk) / pk, pk, align(d, 128))`, or `(N, block_size, S * align(Hkv / S, pk)
+    / pk, pk, 128)` when d == 64.
+
+  Raises:
+    ValueError: a non-positive size, or heads that do not split evenly over the shards.
   """
   _check_positive_int(num_blocks, "num_blocks")
   _check_positive_int(block_size, "block_size")
-  _check_positive_int(num_kv_heads, "num_kv_heads")
+  heads = _heads_per_shard(num_kv_heads, num_shards)
   pk = get_dtype_packing(dtype)
   if uses_hd64_layout(head_dim):
-    return (num_blocks, block_size, align_to(num_kv_heads, pk) // pk, pk, 2 * HD64_HEAD_DIM)
-  return (num_blocks, block_size, align_to(2 * num_kv_heads, pk) // pk, pk, get_padded_head_dim(head_dim))
+    return (num_blocks, block_size, num_shards * (align_to(heads, pk) // pk), pk, 2 * HD64_HEAD_DIM)
+  return (num_blocks, block_size, num_shards * (align_to(2 * heads, pk) // pk), pk, get_padded_head_dim(head_dim))
 
 
-def merge_kv(k: jax.Array, v: jax.Array, dtype: DTypeLike) -> jax.Array:
+def merge_kv(k: jax.Array, v: jax.Array, dtype: DTypeLike, num_shards: int = 1) -> jax.Array:
   """Packs K and V rows into cache rows.
 
   Args:
     k: `[..., H, d]` keys.
     v: `[..., H, d]` values.
     dtype: cache dtype (the result is cast to it).
+    num_shards: tensor-parallel shards S: each shard's `H / S` heads are packed on their own (module docstring).
 
   Returns:
-    `[..., align(2H, pk) / pk, pk, align(d, 128)]`, or `[..., align(H, pk) / pk, pk, 128]` when d == 64; padding
-    is zero.
+    `[..., S * align(2H / S, pk) / pk, pk, align(d, 128)]`, or `[..., S * align(H / S, pk) / pk, pk, 128]` when
+    d == 64; padding is zero.
 
   Raises:
-    ValueError: k and v differ in shape or have rank < 2.
+    ValueError: k and v differ in shape or have rank < 2, or H does not split over the shards.
   """
   if k.shape != v.shape or k.ndim < 2:
     raise ValueError(f"merge_kv needs k and v of one shape [..., H, d]; got k {k.shape} and v {v.shape}")
   *lead, num_heads, head_dim = k.shape
+  heads = _heads_per_shard(num_heads, num_shards)
+  if num_shards > 1:
+    # Each shard's heads packed alone, the shards' rows one after another.
+    split = (*lead, num_shards, heads, head_dim)
+    rows = merge_kv(k.reshape(split), v.reshape(split), dtype)  # [..., S, R / S, pk, dp]
+    return rows.reshape(*lead, num_shards * rows.shape[-3], *rows.shape[-2:])
   pk = get_dtype_packing(dtype)
   k = k.astype(dtype)
   v = v.astype(dtype)
@@ -145,27 +173,32 @@ def merge_kv(k: jax.Array, v: jax.Array, dtype: DTypeLike) -> jax.Array:
   return kv.reshape(*lead, rows // pk, pk, padded_dim)
 
 
-def read_kv(rows: jax.Array, num_kv_heads: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
+def read_kv(rows: jax.Array, num_kv_heads: int, head_dim: int, num_shards: int = 1) -> tuple[jax.Array, jax.Array]:
   """Unpacks cache rows into K and V (the inverse of `merge_kv`), in the cache dtype.
 
   Args:
     rows: `[..., R, pk, dp]` cache rows, e.g. a whole cache `[N, bs, R, pk, dp]` or gathered pages.
     num_kv_heads: the real KV head count H.
     head_dim: the real head dim d.
+    num_shards: tensor-parallel shards S the rows were packed for (`merge_kv`).
 
   Returns:
     `(k, v)`, each `[..., H, d]`.
 
   Raises:
-    ValueError: the trailing axes do not hold `num_kv_heads` heads of `head_dim`.
+    ValueError: the trailing axes do not hold `num_kv_heads` heads of `head_dim` over `num_shards` shards.
   """
-  expected = get_kv_cache_shape(1, 1, num_kv_heads, head_dim, rows.dtype)[2:]
+  expected = get_kv_cache_shape(1, 1, num_kv_heads, head_dim, rows.dtype, num_shards)[2:]
   if rows.ndim < 3 or tuple(rows.shape[-3:]) != expected:
     raise ValueError(
-        f"cache rows for {num_kv_heads} KV heads of dim {head_dim} in {rows.dtype} must end in {expected}; "
-        f"got shape {rows.shape}"
+        f"cache rows for {num_kv_heads} KV heads of dim {head_dim} in {rows.dtype} over {num_shards} shard(s) must"
+        f" end in {expected}; got shape {rows.shape}"
     )
   lead = rows.shape[:-3]
+  if num_shards > 1:
+    per_shard = rows.reshape(*lead, num_shards, expected[0] // num_shards, *expected[1:])
+    k, v = read_kv(per_shard, num_kv_heads // num_shards, head_dim)  # [..., S, H / S, d]
+    return k.reshape(*lead, num_kv_heads, head_dim), v.reshape(*lead, num_kv_heads, head_dim)
   flat = rows.reshape(*lead, expected[0] * expected[1], expected[2])
   if uses_hd64_layout(head_dim):
     kv = flat[..., :num_kv_heads, :]

@@ -40,7 +40,9 @@ def _check_scalar(value: float | int | None, name: str, *, integer: bool, option
     raise ValueError(f"ragged_paged_attention: {name} must be positive when set; got {value}")
 
 
-def _validate(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks, num_kv_heads) -> int:
+def _validate(  # pylint: disable=too-many-positional-arguments
+    q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks, num_kv_heads, num_kv_shards
+) -> int:
   """Checks static shapes; returns the KV head count."""
   where = "ragged_paged_attention"
   if q.ndim != 3:
@@ -62,17 +64,22 @@ def _validate(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
     num_kv_heads = k.shape[1]
   if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
     raise ValueError(f"{where}: Hq ({num_q_heads}) must be a positive multiple of Hkv ({num_kv_heads}) for GQA")
+  if isinstance(num_kv_shards, bool) or not isinstance(num_kv_shards, int) or num_kv_shards < 1:
+    raise ValueError(f"{where}: num_kv_shards must be an int >= 1; got {num_kv_shards!r}")
+  if num_kv_heads % num_kv_shards:
+    raise ValueError(f"{where}: Hkv ({num_kv_heads}) must be a multiple of num_kv_shards ({num_kv_shards})")
   if kv_cache.ndim != 5:
     raise ValueError(
         f"{where}: kv_cache must be rank 5 [num_blocks, block_size, R, pk, padded_head_dim]; "
         f"got shape {kv_cache.shape} {kv_cache.dtype} (a recurrent state passed to an attention layer?)"
     )
   expected = kv_cache_layout.get_kv_cache_shape(
-      kv_cache.shape[0], kv_cache.shape[1], num_kv_heads, head_dim, kv_cache.dtype
+      kv_cache.shape[0], kv_cache.shape[1], num_kv_heads, head_dim, kv_cache.dtype, num_kv_shards
   )
   if kv_cache.shape != expected:
+    shards = f" over {num_kv_shards} shards" if num_kv_shards > 1 else ""
     raise ValueError(
-        f"{where}: a {kv_cache.dtype} cache for {num_kv_heads} KV heads of dim {head_dim} must have shape "
+        f"{where}: a {kv_cache.dtype} cache for {num_kv_heads} KV heads of dim {head_dim}{shards} must have shape "
         f"{expected}; got {kv_cache.shape}"
     )
   if kv_lens.ndim != 1:
@@ -136,6 +143,7 @@ def ragged_paged_attention(
     update_kv_cache: bool = True,
     mask_value: float | None = None,
     num_kv_heads: int | None = None,
+    num_kv_shards: int = 1,
     query_block_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Writes the batch's new K/V into the paged cache and attends each query over its request's tokens.
@@ -163,6 +171,8 @@ def ragged_paged_attention(
     update_kv_cache: write k/v into the cache first; False reads the cache as given (KV-sharing layers).
     mask_value: logit of masked keys; defaults to the fp32 minimum (logits are fp32).
     num_kv_heads: Hkv when k/v are None; must match k when both are given.
+    num_kv_shards: tensor-parallel shards the cache's packed-head axis is laid out for
+      (`kv_cache_layout.get_kv_cache_shape`).
     query_block_size: queries per work item (each gathers its request's pages once); defaults to
       `default_query_block_size(T, S)`.
 
@@ -188,6 +198,7 @@ def ragged_paged_attention(
       sinks=sinks,
       update_kv_cache=update_kv_cache,
       num_kv_heads=num_kv_heads,
+      num_kv_shards=num_kv_shards,
   )
   num_tokens, num_seqs = q.shape[0], kv_lens.shape[0]
   if query_block_size is None:
@@ -203,6 +214,7 @@ def ragged_paged_attention(
       cu_q_lens.astype(jnp.int32),
       layout,
       num_kv_heads=num_kv_heads,
+      num_kv_shards=num_kv_shards,
       sm_scale=sm_scale,
       sliding_window=sliding_window,
       soft_cap=soft_cap,
@@ -226,6 +238,7 @@ def write_kv(
     sinks: jax.Array | None = None,
     update_kv_cache: bool = True,
     num_kv_heads: int | None = None,
+    num_kv_shards: int = 1,
 ) -> tuple[jax.Array, int]:
   """Checks `ragged_paged_attention`'s operands and writes the batch's new K/V into the paged cache.
 
@@ -240,7 +253,9 @@ def write_kv(
   """
   if update_kv_cache and k is None:
     raise ValueError("ragged_paged_attention: update_kv_cache=True needs k and v")
-  num_kv_heads = _validate(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks, num_kv_heads)
+  num_kv_heads = _validate(
+      q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks, num_kv_heads, num_kv_shards
+  )
   if not update_kv_cache:
     return kv_cache, num_kv_heads
   num_tokens = q.shape[0]
@@ -255,7 +270,7 @@ def write_kv(
   positions = kv_len - layout.query_lens[request_ids] + layout.token_offsets  # [T] position of each new token
   # Malformed metadata (a position outside the request's pages) is treated like padding: no write.
   active = layout.token_valid & (positions >= 0) & (positions < max_kv_len)
-  rows = kv_cache_layout.merge_kv(k, v, kv_cache.dtype)  # [T, R, pk, dp]
+  rows = kv_cache_layout.merge_kv(k, v, kv_cache.dtype, num_kv_shards)  # [T, R, pk, dp]
   page_slot = jnp.clip(positions // block_size, 0, pages_per_seq - 1)
   pages = page_indices[request_ids * pages_per_seq + page_slot]
   flat_rows = jnp.where(active, pages * block_size + positions % block_size, num_blocks * block_size)
@@ -272,6 +287,7 @@ def _attend(
     layout: ragged_batch.TokenLayout,
     *,
     num_kv_heads: int,
+    num_kv_shards: int,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -288,7 +304,8 @@ def _attend(
     page_indices: `[S * P]` int32.
     query_start_loc: `[S + 1]` int32.
     layout: the batch's `TokenLayout`.
-    num_kv_heads, sm_scale, sliding_window, soft_cap, sinks, mask_value: as in `ragged_paged_attention`.
+    num_kv_heads, num_kv_shards, sm_scale, sliding_window, soft_cap, sinks, mask_value: as in
+      `ragged_paged_attention`.
     query_block_size: queries per work item Bq.
 
   Returns:
@@ -329,7 +346,7 @@ def _attend(
     q_rows = q_rows.reshape(qb, 1, num_kv_heads, group, head_dim)
     pages = jax.lax.dynamic_slice_in_dim(page_indices, request * pages_per_seq, pages_per_seq)
     gathered = cache[pages].reshape(max_kv_len, *cache.shape[2:])
-    keys, values = kv_cache_layout.read_kv(gathered, num_kv_heads, head_dim)  # [L, Hkv, d]
+    keys, values = kv_cache_layout.read_kv(gathered, num_kv_heads, head_dim, num_kv_shards)  # [L, Hkv, d]
     # Scores [Bq, L, Hkv, G]: a product reduced over d, fused with the gather (no transposed copy of the keys).
     logits = jnp.sum(q_rows * keys.astype(jnp.float32)[None, :, :, None, :], axis=-1) * sm_scale
     if soft_cap is not None:

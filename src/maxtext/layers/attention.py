@@ -140,6 +140,7 @@ class Attention(Mixer):
       use_sinks: bool = False,
       is_kv_shared: bool = False,
       cache_kv_heads: int | None = None,
+      cache_kv_shards: int = 1,
       dtype: jnp.dtype = jnp.float32,
       weight_dtype: jnp.dtype = jnp.float32,
       rngs: nnx.Rngs,
@@ -160,7 +161,12 @@ class Attention(Mixer):
       )
     self.num_query_heads = num_query_heads
     self.num_kv_heads = num_kv_heads
+    if cache_kv_shards < 1 or cache_kv_heads % cache_kv_shards:
+      raise ValueError(
+          f"the cache's KV heads ({cache_kv_heads}) must split evenly over its {cache_kv_shards} tensor-parallel shards"
+      )
     self.cache_kv_heads = cache_kv_heads
+    self.cache_kv_shards = int(cache_kv_shards)
     self.head_dim = head_dim
     self.scale = float(attention_scale)
     self.rope = rope
@@ -204,6 +210,7 @@ class Attention(Mixer):
         use_sinks=cfg.use_attention_sinks,
         is_kv_shared=cfg.kv_shared_source[layer_index] >= 0,
         cache_kv_heads=cls.cache_spec(cfg, layer_index).num_kv_heads,
+        cache_kv_shards=cls.cache_spec(cfg, layer_index).num_shards,
         dtype=jnp.dtype(cfg.dtype),
         weight_dtype=jnp.dtype(cfg.weight_dtype),
         rngs=rngs,
@@ -211,7 +218,8 @@ class Attention(Mixer):
 
   @classmethod
   def cache_spec(cls, cfg: ml_collections.FrozenConfigDict, layer_index: int) -> AttentionSpec:
-    """A paged KV cache (KV heads padded to the tensor-parallel size, as the runner pads them).
+    """A paged KV cache as the runner allocates it: KV heads padded to the tensor-parallel size, each shard of the
+    packed-head axis in the layout of its own heads.
 
     Raises:
       ConfigError: the KV heads can neither be split over nor replicated to `ici_tensor_parallelism` shards, or
@@ -235,6 +243,7 @@ class Attention(Mixer):
         head_dim=cfg.head_dim,
         dtype=kv_cache_dtype(cfg),
         sliding_window=cfg.sliding_window_size if layer_type == SLIDING_ATTENTION else None,
+        num_shards=tp,
     )
 
   def query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -334,6 +343,7 @@ class Attention(Mixer):
         update_kv_cache=not self.is_kv_shared,
         attn_logits_soft_cap=self.soft_cap or None,
         num_kv_heads=self.cache_kv_heads,
+        num_kv_shards=self.cache_kv_shards,
     )
     if self.is_kv_shared:
       new_cache = kv_cache  # Readers hand back the object they were given: exactly one writer per slot.

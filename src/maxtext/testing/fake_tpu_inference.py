@@ -128,7 +128,9 @@ class RecordingTpuInference:
     )
     _check(q.shape[1] % k.shape[1] == 0, f"{f}: Hq {q.shape[1]} must be a multiple of Hkv {k.shape[1]}")
     _check(k.dtype == v.dtype == cache.dtype, f"{f}: k, v and the cache must share a dtype; got {k.dtype} {cache.dtype}")
-    expected = get_kv_cache_shape(cache.shape[0], cache.shape[1], k.shape[1], q.shape[2], cache.dtype)
+    # Upstream shards the packed-head axis over the head axes and each shard packs its own heads.
+    shards = head_shards(bound["mesh"])
+    expected = get_kv_cache_shape(cache.shape[0], cache.shape[1], k.shape[1], q.shape[2], cache.dtype, shards)
     _check(cache.shape == expected, f"{f}: cache {cache.shape} does not hold {k.shape[1]} KV heads: {expected}")
     _check_metadata(f, bound, _METADATA["rpa"])
     _check(isinstance(bound["sm_scale"], float), f"{f}: sm_scale must be a float; got {bound['sm_scale']!r}")
@@ -138,7 +140,7 @@ class RecordingTpuInference:
     _check(bound["update_kv_cache"] or q.shape[2] != 64, f"{f}: update_kv_cache=False is not supported at head_dim 64")
     self.calls.append(Call(f, bound))
     ref_args = [bound[n] for n in RPA_PARAMETERS[1:]]
-    return self._reference.ragged_paged_attention(*ref_args, num_kv_heads=k.shape[1])
+    return self._reference.ragged_paged_attention(*ref_args, num_kv_heads=k.shape[1], num_kv_shards=shards)
 
   def run_jax_gdn_attention(self, *args: Any, **kwargs: Any):
     """0.32.0's `run_jax_gdn_attention(mixed_qkv, ..., kernel_size, mesh, read_state_indices)` -> `((conv, rec), out)`."""

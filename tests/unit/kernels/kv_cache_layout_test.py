@@ -156,7 +156,65 @@ def test_merge_kv_rejects_mismatched_shapes():
 def test_read_kv_rejects_rows_of_another_layout():
   """Rows of another head count or rank raise with the expected shape."""
   rows = jnp.zeros((4, 4, 1, 128), jnp.float32)  # 2 heads of dim 32, fp32
-  with pytest.raises(ValueError, match=r"for 3 KV heads of dim 32 in float32 must end in \(6, 1, 128\); got shape"):
+  with pytest.raises(
+      ValueError, match=r"for 3 KV heads of dim 32 in float32 over 1 shard\(s\) must end in \(6, 1, 128\); got shape"
+  ):
     kv_cache_layout.read_kv(rows, 3, 32)
   with pytest.raises(ValueError, match="must end in"):
     kv_cache_layout.read_kv(jnp.zeros((1, 128)), 1, 32)
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads, head_dim, dtype, num_shards, expected_rows",
+    [
+        (4, 64, jnp.bfloat16, 4, 4),  # one head per shard, each padded to a pair: 4 rows where one shard needs 2
+        (4, 64, jnp.bfloat16, 2, 2),  # two heads per shard fill their pair: the unsharded layout
+        (8, 64, jnp.bfloat16, 8, 8),
+        (6, 64, jnp.bfloat16, 2, 4),  # 3 heads per shard -> 2 rows each
+        (4, 64, jnp.float32, 4, 4),  # fp32 packs one per row: no padding either way
+        (4, 128, jnp.bfloat16, 4, 4),  # K and V of a head fill a pair: the unsharded layout
+        (2, 128, jnp.int8, 2, 2),  # 2 rows per shard padded to 4 slots
+    ],
+)
+def test_sharded_cache_shape_packs_each_shard_alone(num_kv_heads, head_dim, dtype, num_shards, expected_rows):
+  """Each tensor-parallel shard holds the layout of its own heads, so the packed axis is S blocks of rows."""
+  shape = kv_cache_layout.get_kv_cache_shape(10, 16, num_kv_heads, head_dim, dtype, num_shards)
+  assert shape[2] == expected_rows
+  assert shape[2] % num_shards == 0
+
+
+def test_sharded_merge_puts_each_shards_heads_in_its_own_rows():
+  """hd64 bf16, 2 heads over 2 shards: row s holds head s and a zero pad slot (written out by hand)."""
+  k = jnp.arange(2 * 64, dtype=jnp.float32).reshape(1, 2, 64) + 1
+  v = -k
+  rows = np.asarray(kv_cache_layout.merge_kv(k, v, jnp.bfloat16, num_shards=2).astype(jnp.float32))
+  assert rows.shape == (1, 2, 2, 128)
+  for shard in range(2):
+    np.testing.assert_array_equal(rows[0, shard, 0, :64], np.asarray(k[0, shard]))
+    np.testing.assert_array_equal(rows[0, shard, 0, 64:], np.asarray(v[0, shard]))
+    np.testing.assert_array_equal(rows[0, shard, 1], np.zeros(128))
+  # One shard packs both heads into one row instead.
+  unsharded = np.asarray(kv_cache_layout.merge_kv(k, v, jnp.bfloat16).astype(jnp.float32))
+  assert unsharded.shape == (1, 1, 2, 128)
+  np.testing.assert_array_equal(unsharded[0, 0, 1, :64], np.asarray(k[0, 1]))
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sharded_merge_and_read_round_trip(num_shards, head_dim):
+  rng = np.random.default_rng(num_shards)
+  k = rng.normal(size=(3, 4, head_dim)).astype(np.float32)
+  v = rng.normal(size=(3, 4, head_dim)).astype(np.float32)
+  rows = kv_cache_layout.merge_kv(jnp.asarray(k), jnp.asarray(v), jnp.float32, num_shards)
+  assert rows.shape[1:] == kv_cache_layout.get_kv_cache_shape(1, 1, 4, head_dim, jnp.float32, num_shards)[2:]
+  k_back, v_back = kv_cache_layout.read_kv(rows, 4, head_dim, num_shards)
+  np.testing.assert_array_equal(np.asarray(k_back), k)
+  np.testing.assert_array_equal(np.asarray(v_back), v)
+
+
+def test_shards_must_split_the_heads():
+  with pytest.raises(ValueError, match=r"num_kv_heads \(3\) must be a multiple of num_shards \(2\)"):
+    kv_cache_layout.get_kv_cache_shape(1, 16, 3, 64, jnp.bfloat16, 2)
+  rows = jnp.zeros((2, 1, 2, 128), jnp.bfloat16)  # the unsharded rows of 2 hd64 heads
+  with pytest.raises(ValueError, match=r"over 2 shard\(s\) must end in \(2, 2, 128\)"):
+    kv_cache_layout.read_kv(rows, 2, 64, num_shards=2)

@@ -438,3 +438,30 @@ def test_one_token_batch(num_requests):
   _check(b, out, new_cache, sm_scale=0.7)
   if num_requests == 0:
     np.testing.assert_array_equal(np.asarray(new_cache), np.asarray(b.cache()))
+
+
+def _pack_sharded(kpool: np.ndarray, vpool: np.ndarray, dtype, num_shards: int) -> np.ndarray:
+  """The per-shard cache: each shard's heads packed on their own (`_pack`), shard blocks along the packed axis."""
+  heads = kpool.shape[2] // num_shards
+  blocks = [
+      _pack(kpool[:, :, s * heads : (s + 1) * heads], vpool[:, :, s * heads : (s + 1) * heads], dtype)
+      for s in range(num_shards)
+  ]
+  return np.concatenate(blocks, axis=2)
+
+
+@pytest.mark.parametrize("hkv, d", [(2, 64), (4, 64), (2, 32)])
+def test_cache_laid_out_per_shard_attends_like_the_reference(hkv, d):
+  """A cache in the tensor-parallel layout (one block of rows per shard, each padded on its own) is read and written
+  where that layout puts each head: the output is the float64 reference's and the cache the reference pools packed
+  per shard."""
+  b = _make_batch(7, MIXED, hq=4, hkv=hkv, d=d, cache_dtype=jnp.bfloat16)
+  shards = hkv
+  cache = jnp.asarray(_pack_sharded(b.kpool, b.vpool, b.cache_dtype, shards))
+  out, new_cache = _run(b, cache=cache, sm_scale=0.3, num_kv_shards=shards)
+  ref_out, kpool, vpool = _reference(b, sm_scale=0.3)
+  valid = b.num_valid_tokens
+  np.testing.assert_allclose(np.asarray(out, np.float64)[:valid], ref_out[:valid], atol=F32_TOL, rtol=F32_TOL)
+  np.testing.assert_array_equal(
+      np.asarray(new_cache).astype(np.float64), _pack_sharded(kpool, vpool, b.cache_dtype, shards).astype(np.float64)
+  )

@@ -133,7 +133,11 @@ class TpuInferenceBackend(ReferenceBackend):
       attn_logits_soft_cap=None,
       *,
       num_kv_heads=None,
+      num_kv_shards=1,
   ):
+    # tpu-inference's kernel runs per shard under its own shard_map, where each shard's block of the packed-head
+    # axis is the layout of its own heads: `num_kv_shards` describes that and needs no argument of its own.
+    del num_kv_shards
     if k is None or v is None:
       if update_kv_cache or num_kv_heads is None:
         raise ValueError(

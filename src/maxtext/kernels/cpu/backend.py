@@ -233,11 +233,14 @@ class CpuBackend(ReferenceBackend):
       attn_logits_soft_cap=None,
       *,
       num_kv_heads=None,
+      num_kv_shards=1,
   ):
     kernel = cpu_attention.applies(
         q.dtype, kv_cache.dtype, mask_value=None, soft_cap=attn_logits_soft_cap, sliding_window=attention_chunk_size
     )
-    if not kernel or not use_causal_mask or any(s is not None for s in (q_scale, k_scale, v_scale)):
+    # The C++ kernel reads the unsharded layout (one device); a cache laid out per shard takes the XLA path.
+    unsupported = num_kv_shards != 1 or not use_causal_mask or any(s is not None for s in (q_scale, k_scale, v_scale))
+    if not kernel or unsupported:
       return super().ragged_paged_attention(
           q,
           k,
@@ -257,6 +260,7 @@ class CpuBackend(ReferenceBackend):
           use_causal_mask,
           attn_logits_soft_cap,
           num_kv_heads=num_kv_heads,
+          num_kv_shards=num_kv_shards,
       )
     # The K/V write stays in XLA; the kernel reads only the keys each token sees, in place.
     new_cache, num_kv_heads = write_kv(

@@ -39,6 +39,9 @@ ATTENTION_MODULE = "tpu_inference.layers.common.attention_interface"
 GDN_MODULE = "tpu_inference.layers.common.gdn_attention"
 # The mesh axes tpu-inference shards attention and GDN heads over (its ATTN_HEAD); absent axes count as size 1.
 HEAD_AXES = ("model", "expert", "dcp")
+# tpu-inference 0.32.0's GDN kernel (kernels/gdn/v3) loads every key and value head as whole columns of the TPU's
+# 128 vector lanes, so both head dims must be multiples of it (Qwen3-Next and Qwen3.5 use 128).
+GDN_HEAD_DIM_MULTIPLE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +192,12 @@ class TpuInferenceBackend(ReferenceBackend):
       kernel_size,
       read_state_indices=None,
   ):
+    if d_k % GDN_HEAD_DIM_MULTIPLE or d_v % GDN_HEAD_DIM_MULTIPLE:
+      raise ValueError(
+          f"kernel_backend={TPU_INFERENCE}: tpu-inference's Gated DeltaNet kernel needs gdn_key_head_dim and"
+          f" gdn_value_head_dim that are multiples of {GDN_HEAD_DIM_MULTIPLE} (the TPU's vector lanes); got {d_k} and"
+          f" {d_v}; use kernel_backend={REFERENCE} for this model"
+      )
     shards = head_shards(self.mesh)
     if shards > 1:
       order = jnp.asarray(per_shard_channel_order(n_kq, n_v, d_k, d_v, shards))

@@ -44,8 +44,13 @@ SCALES = {
 }
 
 
+# tpu-inference's GDN kernel takes head dims in whole 128-lane columns.
+TPU_GDN = {"gdn_key_head_dim": 128, "gdn_value_head_dim": 128}
+
+
 def _model(name, backend, fake=None):
-  cfg = load_config(model_name=name, block_size=BLOCK_SIZE, kernel_backend=backend)
+  gdn = TPU_GDN if name in ("qwen3-next-tiny", "qwen3.5-tiny") else {}
+  cfg = load_config(model_name=name, block_size=BLOCK_SIZE, kernel_backend=backend, **gdn)
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
   modules = {} if fake is None else fake.modules()
   with mock.patch.dict(sys.modules, modules):

@@ -107,7 +107,8 @@ def test_missing_kv_on_a_writing_call_is_an_error():
     backend.ragged_paged_attention(*args, None, 0.25, num_kv_heads=2)
 
 
-NK, NV, DK, DV, WIDTH = 2, 4, 8, 6, 4
+# Head dims of 128: tpu-inference's GDN kernel takes whole 128-lane columns per head.
+NK, NV, DK, DV, WIDTH = 2, 4, 128, 128, 4
 CHANNELS = 2 * NK * DK + NV * DV
 
 
@@ -159,8 +160,8 @@ def test_gdn_channels_are_laid_out_per_tensor_parallel_shard():
   backend, fake = _backend(model=2)
   args = _gdn_inputs(1)
   order = tib.per_shard_channel_order(NK, NV, DK, DV, 2)
-  # Shard 0: q heads 0, k heads 0, v heads 0-1; shard 1: the others (DK = 8, DV = 6; k starts at 16, v at 32).
-  expected = np.r_[0:8, 16:24, 32:44, 8:16, 24:32, 44:56]
+  # Shard 0: q heads 0, k heads 0, v heads 0-1; shard 1: the others (DK = DV = 128; k starts at 256, v at 512).
+  expected = np.r_[0:128, 256:384, 512:768, 128:256, 384:512, 768:1024]
   np.testing.assert_array_equal(order, expected)
   sharded_args = list(args)
   sharded_args[3] = args[3][:, :, order]  # the runner's conv state is kept in the kernel's (per-shard) order
@@ -172,6 +173,16 @@ def test_gdn_channels_are_laid_out_per_tensor_parallel_shard():
   np.testing.assert_allclose(np.asarray(out[:5]), np.asarray(ref_out[:5]), atol=F32_TOL)
   np.testing.assert_array_equal(np.asarray(conv), np.asarray(ref_conv[:, :, order]))
   np.testing.assert_allclose(np.asarray(rec), np.asarray(ref_rec), atol=F32_TOL)
+
+
+@pytest.mark.parametrize("d_k, d_v", [(16, 128), (128, 24)])
+def test_gdn_head_dims_the_upstream_kernel_cannot_take_are_refused_by_name(d_k, d_v):
+  backend, fake = _backend()
+  args = _gdn_inputs()
+  args[15], args[16] = d_k, d_v
+  with pytest.raises(ValueError, match=rf"gdn_key_head_dim and gdn_value_head_dim .* multiples of 128 .*; got {d_k} and"):
+    backend.gdn_attention(*args)
+  assert not fake.calls
 
 
 def test_gdn_heads_that_do_not_split_over_the_shards_are_an_error():

@@ -33,6 +33,7 @@ import numpy as np
 
 from maxtext.integration.vllm.environment import PluginEnvironmentError, import_module_of
 from maxtext.kernels.backend import REFERENCE, ReferenceBackend, register_backend
+from maxtext.kernels.kv_cache_layout import get_dtype_packing
 
 TPU_INFERENCE = "tpu_inference"
 ATTENTION_MODULE = "tpu_inference.layers.common.attention_interface"
@@ -97,6 +98,24 @@ def per_shard_channel_order(n_kq: int, n_v: int, d_k: int, d_v: int, shards: int
   return np.concatenate(blocks)
 
 
+def _check_sinks_fit_the_hd64_kernel(q: jax.Array, num_kv_heads: int) -> None:
+  """tpu-inference 0.32.0's head-dim-64 kernel (the one that takes sinks) pads each KV head's query heads to whole
+  groups of the query dtype's packing but reshapes the sinks to that padded count unpadded
+  (`kernel_hd64.prepare_inputs`), so it fails unless the query heads per KV head fill whole groups.
+
+  Raises:
+    NotImplementedError: naming the head counts and the dtype.
+  """
+  per_kv = q.shape[1] // num_kv_heads
+  packing = get_dtype_packing(q.dtype)
+  if per_kv % packing:
+    raise NotImplementedError(
+        f"kernel_backend={TPU_INFERENCE}: tpu-inference's head_dim-64 attention kernel takes attention sinks only"
+        f" with a multiple of {packing} query heads per KV head in {jnp.dtype(q.dtype).name}; this layer has"
+        f" {q.shape[1]} query heads over {num_kv_heads} cache KV heads (after padding to the tensor-parallel size)"
+    )
+
+
 class TpuInferenceBackend(ReferenceBackend):
   """Attention and Gated DeltaNet through tpu-inference's kernels on the runner's mesh; MoE stays pure JAX."""
 
@@ -148,6 +167,8 @@ class TpuInferenceBackend(ReferenceBackend):
             f" num_kv_heads set); got update_kv_cache={update_kv_cache}, num_kv_heads={num_kv_heads}"
         )
       k = v = jnp.zeros((q.shape[0], num_kv_heads, q.shape[2]), kv_cache.dtype)
+    if attention_sink is not None:
+      _check_sinks_fit_the_hd64_kernel(q, k.shape[1])
     out, new_cache = self.ops.sharded_ragged_paged_attention(
         self.mesh,
         q,

@@ -99,6 +99,17 @@ def test_new_kv_is_cast_to_the_cache_dtype():
   assert call.args["k"].dtype == call.args["v"].dtype == jnp.bfloat16
 
 
+def test_sinks_with_query_heads_the_hd64_kernel_cannot_pad_are_refused():
+  """One bf16 query head per KV head: the upstream hd64 kernel pads the queries to pairs but not the sinks."""
+  backend, fake = _backend()
+  inputs = _attention_inputs(hq=4, hkv=4, d=64, cache_dtype=jnp.bfloat16)
+  inputs["q"] = inputs["q"].astype(jnp.bfloat16)
+  sinks = jnp.zeros((4,), jnp.float32)
+  with pytest.raises(NotImplementedError, match=r"multiple of 2 query heads per KV head in bfloat16; .* 4 query heads"):
+    backend.ragged_paged_attention(*_positional(inputs), sinks, 0.125)
+  assert not fake.calls
+
+
 def test_missing_kv_on_a_writing_call_is_an_error():
   backend, _ = _backend()
   args = _positional(_attention_inputs())

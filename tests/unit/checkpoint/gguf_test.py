@@ -325,12 +325,43 @@ def test_an_unsupported_quantization_type_names_the_tensor_and_type(tmp_path):
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
-  with pytest.raises(
-      NotImplementedError,
-      match=r"tensor 'blk.0.ffn_up.weight' has quantization type IQ2_XXS, which is not supported \(supported: F32,"
-      r" F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K\)$",
-  ):
-    gguf_loader.GGUFFile(path)
+  file = gguf_loader.GGUFFile(path)  # the header and the metadata (a tokenizer) are still readable
+  assert [t.gguf_name for t in file.unsupported] == ["blk.0.ffn_up.weight"]
+  expected = (
+      r"tensor 'blk.0.ffn_up.weight' has quantization type IQ2_XXS, which is not supported \(supported: F32, F16,"
+      r" BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K\)$"
+  )
+  with pytest.raises(NotImplementedError, match=expected):
+    gguf_loader.check_loadable(file)
+  with pytest.raises(NotImplementedError, match=expected):
+    file.read("model.layers.0.mlp.up_proj.weight")
+
+
+def test_streaming_the_weights_checks_the_tensor_types_first(llama_file, tmp_path):
+  path, _ = llama_file
+  cfg = gguf_loader.load_gguf_config(path)
+  other = tmp_path / "iq3.gguf"  # another path: open_gguf's cache keeps the first file
+  other.write_bytes(path.read_bytes())
+  _set_tensor_type(other, "blk.1.ffn_down.weight", gguf.GGMLQuantizationType.IQ3_S)
+  with pytest.raises(NotImplementedError, match=r"^\S*iq3.gguf: tensor 'blk.1.ffn_down.weight' has .* type IQ3_S"):
+    gguf_loader.iter_gguf_params(other, cfg)
+
+
+def test_an_unsupported_architecture_and_tensor_types_are_one_error_naming_them_all(tmp_path):
+  path = tmp_path / "gemma3.gguf"
+  write_model(path, arch="gemma3")
+  iq2, iq4 = gguf.GGMLQuantizationType.IQ2_XXS, gguf.GGMLQuantizationType.IQ4_NL
+  _set_tensor_type(path, "blk.0.attn_output.weight", iq2)
+  _set_tensor_type(path, "blk.0.ffn_up.weight", iq4)
+  _set_tensor_type(path, "blk.1.attn_output.weight", iq2)
+  expected = (
+      r"gemma3.gguf: GGUF architecture 'gemma3' is not supported \(supported: llama, qwen3\); and 2 tensors"
+      r" \('blk.0.attn_output.weight', 'blk.1.attn_output.weight'\) have quantization type IQ2_XXS, tensor"
+      r" 'blk.0.ffn_up.weight' has quantization type IQ4_NL, which are not supported \(supported: F32, F16, .*,"
+      r" Q8_K\)$"
+  )
+  with pytest.raises(NotImplementedError, match=expected):
+    gguf_loader.load_gguf_config(path)
 
 
 def test_unsupported_architecture_and_missing_file(tmp_path):

@@ -102,13 +102,16 @@ class GGUFTensor:
 class GGUFFile:
   """A GGUF file (memory-mapped by `gguf_format.GGUFContainer`): metadata, tensor index, dequantized reads.
 
+  Tensors of a type ggml defines but this loader does not read are listed in `unsupported`: opening does not refuse
+  them (the metadata, a tokenizer, stay readable), `check_loadable` names them all with an unsupported architecture,
+  and `read` refuses them.
+
   Args:
     path: the .gguf file.
 
   Raises:
     FileNotFoundError: no such file.
     GGUFError: not a GGUF file, truncated or corrupt, or a tensor of a type ggml does not define.
-    NotImplementedError: a tensor of a known type this loader does not read (naming the tensor and the type).
   """
 
   def __init__(self, path: str | os.PathLike):
@@ -126,6 +129,7 @@ class GGUFFile:
           f" download it again): {e}"
       ) from None
     self.tensors: dict[str, GGUFTensor] = {}
+    self.unsupported: list[GGUFTensor] = []  # tensors of a type this loader does not read, in file order
     self._raw: dict[str, gguf_format.TensorInfo] = {}
     for tensor in self._container.tensors:
       if not tensor.type_name:
@@ -133,11 +137,12 @@ class GGUFFile:
             f"{self.path}: a tensor has an unknown tensor type (tensor {tensor.name!r}, type id {tensor.type_id});"
             f" this loader reads {', '.join(SUPPORTED_TENSOR_TYPES)}"
         )
-      if tensor.type_name not in SUPPORTED_TENSOR_TYPES:
-        raise NotImplementedError(
-            f"{self.path}: tensor {tensor.name!r} has quantization type {tensor.type_name}, which is not supported"
-            f" (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
-        )
+      name = hf_tensor_name(tensor.name)
+      self.tensors[name] = GGUFTensor(tensor.name, name, tensor.shape, tensor.type_name)
+      self._raw[name] = tensor
+      if tensor.type_name not in SUPPORTED_TENSOR_TYPES:  # its byte size is unknown here: no extent check
+        self.unsupported.append(self.tensors[name])
+        continue
       try:
         self._container.check_extent(tensor)
       except gguf_format.GGUFFormatError as e:
@@ -145,9 +150,6 @@ class GGUFFile:
             f"{self.path}: not a readable GGUF file ({self._container.size} bytes; truncated or corrupt? download"
             f" it again): {e}"
         ) from None
-      name = hf_tensor_name(tensor.name)
-      self.tensors[name] = GGUFTensor(tensor.name, name, tensor.shape, tensor.type_name)
-      self._raw[name] = tensor
 
   def field(self, key: str, default: Any = None) -> Any:
     """The value of metadata `key` (str, number, bool or list), or `default` when absent."""
@@ -163,8 +165,48 @@ class GGUFFile:
 
   def read(self, name: str, dtype: Any = np.float32) -> np.ndarray:
     """The tensor of Hugging Face name `name`, dequantized to `dtype` (float32, or a narrower float such as bfloat16,
-    never held whole in float32: `GGUFContainer.dequantize`) in Hugging Face shape."""
+    never held whole in float32: `GGUFContainer.dequantize`) in Hugging Face shape.
+
+    Raises:
+      NotImplementedError: the tensor's type is not one this loader reads.
+    """
+    tensor = self.tensors[name]
+    if tensor.type_name not in SUPPORTED_TENSOR_TYPES:
+      raise NotImplementedError(f"{self.path}: {_unsupported_types([tensor])}")
     return self._container.dequantize(self._raw[name], dtype)
+
+
+def _unsupported_types(tensors: Sequence[GGUFTensor]) -> str:
+  """`tensors` (at least one) grouped by type, then the supported types, as one clause."""
+  by_type: dict[str, list[str]] = {}
+  for tensor in tensors:
+    by_type.setdefault(tensor.type_name, []).append(repr(tensor.gguf_name))
+  clauses = [
+      f"tensor {names[0]} has quantization type {type_name}"
+      if len(names) == 1
+      else f"{len(names)} tensors ({_listing(names)}) have quantization type {type_name}"
+      for type_name, names in by_type.items()
+  ]
+  verb = "is" if len(by_type) == 1 else "are"
+  return f"{', '.join(clauses)}, which {verb} not supported (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
+
+
+def check_loadable(file: GGUFFile) -> None:
+  """Raises one error naming everything that keeps this loader from reading `file`'s model: an unsupported
+  architecture and every tensor of an unsupported type (grouped by type), each with what is supported.
+
+  Raises:
+    GGUFError: general.architecture is missing.
+    NotImplementedError: the architecture or a tensor type is not supported.
+  """
+  blockers = []
+  arch = file.architecture
+  if arch not in ARCHITECTURES:
+    blockers.append(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})")
+  if file.unsupported:
+    blockers.append(_unsupported_types(file.unsupported))
+  if blockers:
+    raise NotImplementedError(f"{file.path}: {'; and '.join(blockers)}")
 
 
 @functools.lru_cache(maxsize=2)
@@ -178,7 +220,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
   the weights and the tokenizer all read the same file.
 
   Raises:
-    FileNotFoundError, GGUFError, NotImplementedError: see `GGUFFile`.
+    FileNotFoundError, GGUFError: see `GGUFFile`.
   """
   full = os.path.abspath(os.path.expanduser(os.fspath(path)))
   if not os.path.isfile(full):
@@ -211,15 +253,12 @@ def gguf_to_hf_config(file: GGUFFile) -> dict[str, Any]:
   """A Hugging Face style config.json dict of the model a GGUF file holds.
 
   Raises:
-    NotImplementedError: an unsupported architecture, rope scaling, partial rotary embedding or rope frequency
-      factors (`rope_freqs.weight`).
+    NotImplementedError: an unsupported architecture or tensor type (one error naming both, `check_loadable`), rope
+      scaling, partial rotary embedding or rope frequency factors (`rope_freqs.weight`).
     GGUFError: a required metadata key is missing.
   """
+  check_loadable(file)
   arch = file.architecture
-  if arch not in ARCHITECTURES:
-    raise NotImplementedError(
-        f"{file.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
-    )
 
   def require(key: str) -> Any:
     value = file.field(f"{arch}.{key}")
@@ -363,10 +402,11 @@ def iter_gguf_params(
     An iterator of (canonical name, numpy array of dtype `cfg.weight_dtype`).
 
   Raises:
-    FileNotFoundError, GGUFError, NotImplementedError: see `GGUFFile`; GGUFError also for a missing, unexpected or
-      mis-shaped tensor.
+    FileNotFoundError, GGUFError: see `GGUFFile`; GGUFError also for a missing, unexpected or mis-shaped tensor.
+    NotImplementedError: an unsupported architecture or tensor type (`check_loadable`).
   """
   file = open_gguf(path)
+  check_loadable(file)
   recipes = hf_layout.build_recipes(cfg, file.tensors.keys())
   _validate(file, recipes)
   dtype = np.dtype(jnp.dtype(cfg.weight_dtype))

@@ -15,6 +15,16 @@ Dequantization (`dequantize`) follows ggml's block formats: a block of 32 weight
 for the `_1` types, a float16 minimum `m`), 4-, 5- or 8-bit integers `q`, and the weight is `d * q` (`_0` types,
 `q` centred: 4-bit `q - 8`, 5-bit `q - 16`) or `d * q + m` (`_1` types). The nibbles of byte `j` of a 4-bit block
 are weights `j` (low) and `j + 16` (high); a 5-bit block adds bit `j` of a u32 as the fifth bit of weight `j`.
+
+The K-quants pack 256 weights in a super-block of 16 (Q2_K, Q3_K, Q6_K) or 8 (Q4_K, Q5_K) sub-blocks, each with its
+own integer scale (and for Q2_K, Q4_K, Q5_K an integer minimum) multiplied by the float16 super-block scale `d`
+(minimum `dmin`): weight = `(d * scale) * q` or `(d * scale) * q - dmin * min`, in float32, rounded after each
+operation as the `gguf` library rounds. Small fields are packed several to a byte: in a run of `r` bytes (32; 64
+for Q6_K's low nibbles) byte `j` holds field `k` of weight `r k + j`, from bit `k * width` up. Q2_K: 2-bit `q`, the
+sub-block's scale and minimum the low and high nibble of a byte. Q3_K: 2-bit `q` plus a high bit that, when clear,
+subtracts 4; sixteen 6-bit scales (minus 32) packed in 12 bytes. Q4_K / Q5_K: 4-bit `q` (Q5_K plus a fifth bit);
+eight 6-bit scales and minimums in 12 bytes. Q6_K: 4 low bits and 2 high bits, minus 32; int8 scales. Q8_K: a
+float32 `d`, int8 `q`, and per-16 sums the weights do not need.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import dataclasses
 import mmap
 import os
 import struct
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -48,6 +58,12 @@ _BLOCKS: dict[str, tuple[np.dtype, int]] = {
     "Q4_1": (np.dtype([("d", _HALF), ("m", _HALF), ("q", "u1", 16)]), 32),
     "Q5_0": (np.dtype([("d", _HALF), ("h", "<u4"), ("q", "u1", 16)]), 32),
     "Q5_1": (np.dtype([("d", _HALF), ("m", _HALF), ("h", "<u4"), ("q", "u1", 16)]), 32),
+    "Q2_K": (np.dtype([("scales", "u1", 16), ("q", "u1", 64), ("d", _HALF), ("dmin", _HALF)]), 256),
+    "Q3_K": (np.dtype([("hmask", "u1", 32), ("q", "u1", 64), ("scales", "u1", 12), ("d", _HALF)]), 256),
+    "Q4_K": (np.dtype([("d", _HALF), ("dmin", _HALF), ("scales", "u1", 12), ("q", "u1", 128)]), 256),
+    "Q5_K": (np.dtype([("d", _HALF), ("dmin", _HALF), ("scales", "u1", 12), ("qh", "u1", 32), ("q", "u1", 128)]), 256),
+    "Q6_K": (np.dtype([("q", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", _HALF)]), 256),
+    "Q8_K": (np.dtype([("d", "<f4"), ("q", "i1", 256), ("bsums", "<i2", 16)]), 256),
 }
 DEQUANTIZED_TYPES: tuple[str, ...] = tuple(_BLOCKS)
 CHUNK_VALUES = 1 << 20  # weights a read dequantizes at a time (4 MiB of float32, whatever the tensor's size)
@@ -220,6 +236,8 @@ def dequantize(blocks: np.ndarray, type_name: str) -> np.ndarray:
     return blocks.astype(np.float32)
   if type_name == "BF16":
     return (blocks.astype(np.uint32) << 16).view(np.float32)
+  if type_name in _K_QUANTS:
+    return _K_QUANTS[type_name](blocks).reshape(-1)
   d = blocks["d"].astype(np.float32)[:, None]  # [nb, 1]
   out = np.empty((blocks.shape[0], 32), np.float32)  # [nb, 32]
   if type_name == "Q8_0":
@@ -239,3 +257,85 @@ def dequantize(blocks: np.ndarray, type_name: str) -> np.ndarray:
   centre = 8 if type_name == "Q4_0" else 16
   np.multiply(d, q.view(np.int8) - np.int8(centre), out=out)
   return out.reshape(-1)
+
+
+def _unpack(packed: np.ndarray, run: int, width: int) -> np.ndarray:
+  """The `width`-bit fields of `packed` ([nb, n] uint8, runs of `run` bytes) in weight order: [nb, n * 8 // width].
+
+  Byte `j` of a run holds, from bit `k * width` up, weight `run * k + j` of the weights that run packs."""
+  nb = packed.shape[0]
+  shifts = np.arange(0, 8, width, dtype=np.uint8)[:, None]  # [8 / width, 1]
+  fields = packed.reshape(nb, -1, 1, run) >> shifts  # [nb, runs, 8 / width, run]
+  fields &= np.uint8((1 << width) - 1)
+  return fields.reshape(nb, -1)
+
+
+def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Q4_K / Q5_K's eight 6-bit scales and minimums from 12 bytes [nb, 12]: bytes 0-3 hold scales 0-3 in their low
+  6 bits, bytes 4-7 minimums 0-3; bytes 8-11 the low 4 bits of scale (low nibble) and minimum (high nibble) 4-7, whose
+  top 2 bits are the top bits of bytes 0-3 (scales) and 4-7 (minimums). Returns float32 [nb, 8, 1] each."""
+  low, mins, high = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+  sc = np.concatenate([low & 0x3F, (high & 0x0F) | ((low >> 2) & 0x30)], axis=1)
+  mn = np.concatenate([mins & 0x3F, (high >> 4) | ((mins >> 2) & 0x30)], axis=1)
+  return sc.astype(np.float32)[:, :, None], mn.astype(np.float32)[:, :, None]
+
+
+def _q2_k(blocks: np.ndarray) -> np.ndarray:  # [nb] -> [nb, 16, 16]
+  nb = blocks.shape[0]
+  d, dmin = blocks["d"].astype(np.float32)[:, None], blocks["dmin"].astype(np.float32)[:, None]  # [nb, 1]
+  scales = blocks["scales"]  # [nb, 16]: scale in the low nibble, minimum in the high one
+  dl = (d * (scales & 0x0F).astype(np.float32))[:, :, None]  # [nb, 16, 1]
+  ml = (dmin * (scales >> 4).astype(np.float32))[:, :, None]
+  q = _unpack(blocks["q"], 32, 2).reshape(nb, 16, 16)
+  out = dl * q
+  out -= ml
+  return out
+
+
+def _q3_k(blocks: np.ndarray) -> np.ndarray:  # [nb] -> [nb, 16, 16]
+  nb = blocks.shape[0]
+  packed = blocks["scales"]  # [nb, 12]: low 4 bits of scales 0-15 as nibbles of bytes 0-7, top 2 bits in 8-11
+  low = _unpack(packed[:, :8], 8, 4)  # [nb, 16]
+  high = _unpack(packed[:, 8:], 4, 2)  # [nb, 16]
+  scales = (low | (high << 4)).view(np.int8) - np.int8(32)
+  dl = (blocks["d"].astype(np.float32)[:, None] * scales.astype(np.float32))[:, :, None]  # [nb, 16, 1]
+  q = _unpack(blocks["q"], 32, 2).view(np.int8)  # [nb, 256]
+  q -= (_unpack(blocks["hmask"], 32, 1) ^ np.uint8(1)).view(np.int8) << 2  # a clear high bit subtracts 4
+  return dl * q.reshape(nb, 16, 16)
+
+
+def _q4_k(blocks: np.ndarray) -> np.ndarray:  # [nb] -> [nb, 8, 32]; Q4_K and Q5_K
+  nb = blocks.shape[0]
+  sc, mn = _scale_min_k4(blocks["scales"])
+  dl = blocks["d"].astype(np.float32)[:, None, None] * sc  # [nb, 8, 1]
+  ml = blocks["dmin"].astype(np.float32)[:, None, None] * mn
+  q = _unpack(blocks["q"], 32, 4)
+  if "qh" in blocks.dtype.names:  # Q5_K
+    q |= _unpack(blocks["qh"], 32, 1) << 4
+  out = dl * q.reshape(nb, 8, 32)
+  out -= ml
+  return out
+
+
+def _q6_k(blocks: np.ndarray) -> np.ndarray:  # [nb] -> [nb, 16, 16]
+  nb = blocks.shape[0]
+  q = _unpack(blocks["q"], 64, 4)  # [nb, 256]: two halves of 128 weights, each 64 bytes of low nibbles
+  q |= _unpack(blocks["qh"], 32, 2) << 4
+  q = q.view(np.int8) - np.int8(32)
+  dl = (blocks["d"].astype(np.float32)[:, None] * blocks["scales"].astype(np.float32))[:, :, None]  # [nb, 16, 1]
+  return dl * q.reshape(nb, 16, 16)
+
+
+def _q8_k(blocks: np.ndarray) -> np.ndarray:  # [nb] -> [nb, 256]
+  return blocks["d"][:, None] * blocks["q"].astype(np.float32)
+
+
+# K-quant type -> float32 weights of its blocks (the 256 of each block, in order, in the trailing axes).
+_K_QUANTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "Q4_K": _q4_k,
+    "Q5_K": _q4_k,
+    "Q6_K": _q6_k,
+    "Q8_K": _q8_k,
+}

@@ -1,5 +1,7 @@
 """The GGUF container reader against the `gguf` library: files written by `gguf.GGUFWriter`, metadata of every value
-type compared with `gguf.GGUFReader`'s, tensors with `gguf.quants.dequantize`, and hand-made broken headers."""
+type compared with `gguf.GGUFReader`'s, tensors with `gguf.quants.dequantize` (K-quants, which `gguf` cannot quantize,
+from random valid blocks; Q8_K, which it cannot dequantize, against ggml's definition), and hand-made broken
+headers."""
 
 import struct
 import tracemalloc
@@ -8,9 +10,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import gguf_blocks
 from maxtext.checkpoint import gguf_format
 
 gguf = pytest.importorskip("gguf")
+
+K_QUANTS = gguf_blocks.K_QUANTS[:-1]  # the gguf library dequantizes these (not Q8_K) but cannot quantize them
+# Types `gguf.quants.quantize` writes (K-quants are random valid blocks; the gguf library has no Q8_K at all).
+QUANTIZABLE = tuple(t for t in gguf_format.DEQUANTIZED_TYPES if not t.endswith("_K"))
 
 
 def _write(path, fields=(), tensors=(), alignment=None):
@@ -65,7 +72,7 @@ def test_metadata_of_every_value_type_reads_as_gguf_reads_it(tmp_path):
 
 
 @pytest.mark.parametrize("alignment", [None, 64])
-@pytest.mark.parametrize("type_name", gguf_format.DEQUANTIZED_TYPES)
+@pytest.mark.parametrize("type_name", QUANTIZABLE)
 def test_tensors_dequantize_as_gguf_dequantizes_them(tmp_path, type_name, alignment):
   qtype = gguf.GGMLQuantizationType[type_name]
   rng = np.random.default_rng(3)
@@ -110,6 +117,73 @@ def test_a_bfloat16_read_rounds_float32_and_never_holds_the_tensor_in_float32(tm
   assert got.dtype == ml_dtypes.bfloat16 and got.shape == (256, 1024)
   np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
   assert peak < got.nbytes + 16 * 4096 * 4 < x.nbytes
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+@pytest.mark.parametrize("type_name", K_QUANTS)
+def test_k_quant_tensors_dequantize_bit_for_bit_as_gguf_dequantizes_them(tmp_path, type_name, alignment):
+  qtype = gguf.GGMLQuantizationType[type_name]
+  rng = np.random.default_rng(7)
+  data = gguf_blocks.random_k_blocks(type_name, (3, 2, 512), rng)
+  odd = rng.standard_normal((7,)).astype(np.float32)
+  path = _write(tmp_path / "k.gguf", tensors=[("odd", odd, None), ("t", data, qtype)], alignment=alignment)
+  container = gguf_format.GGUFContainer(path)
+  info = {t.name: t for t in container.tensors}["t"]
+  assert info.shape == (3, 2, 512) and info.type_name == type_name
+  assert container.nbytes(info) == data.nbytes
+  got = container.dequantize(info)
+  expected = gguf.quants.dequantize(data, qtype)
+  assert got.dtype == np.float32 and expected.shape == got.shape
+  assert np.array_equal(got, expected.astype(np.float32))
+
+
+def test_q8_k_is_d_times_q(tmp_path):
+  """Q8_K (d float32, 256 int8, 16 int16 sums): ggml's dequantize_row_q8_K is `d * q`; the gguf library has none."""
+  data = gguf_blocks.random_k_blocks("Q8_K", (4, 512), np.random.default_rng(8))
+  path = _write(tmp_path / "k.gguf", tensors=[("t", data, gguf.GGMLQuantizationType.Q8_K)])
+  container = gguf_format.GGUFContainer(path)
+  (info,) = container.tensors
+  blocks = data.reshape(-1, 292)
+  expected = blocks[:, :4].copy().view(np.float32) * blocks[:, 4:260].view(np.int8).astype(np.float32)
+  assert np.array_equal(container.dequantize(info), expected.reshape(4, 512))
+
+
+@pytest.mark.parametrize("chunk_values", [256, 512, 700])
+@pytest.mark.parametrize("type_name", [*K_QUANTS, "Q4_0"])
+def test_a_chunk_boundary_inside_a_tensor_is_seamless(tmp_path, monkeypatch, type_name, chunk_values):
+  """Chunks of 1, 2 or 2 super-blocks over a tensor of 5, the last one short (700 is no multiple of a block; Q4_0:
+  8, 16 or 21 blocks of 32 over 40)."""
+  qtype = gguf.GGMLQuantizationType[type_name]
+  rng = np.random.default_rng(9)
+  if type_name in K_QUANTS:
+    data = gguf_blocks.random_k_blocks(type_name, (5, 256), rng)
+  else:
+    data = gguf.quants.quantize(rng.standard_normal((5, 256)).astype(np.float32), qtype)
+  path = _write(tmp_path / "k.gguf", tensors=[("t", data, qtype)])
+  container = gguf_format.GGUFContainer(path)
+  (info,) = container.tensors
+  monkeypatch.setattr(gguf_format, "CHUNK_VALUES", chunk_values)
+  assert np.array_equal(container.dequantize(info), gguf.quants.dequantize(data, qtype))
+
+
+@pytest.mark.parametrize("type_name", K_QUANTS)
+def test_a_k_quant_bfloat16_read_rounds_float32_and_never_holds_the_tensor_in_float32(tmp_path, monkeypatch, type_name):
+  qtype = gguf.GGMLQuantizationType[type_name]
+  data = gguf_blocks.random_k_blocks(type_name, (256, 1024), np.random.default_rng(10))
+  path = _write(tmp_path / "k.gguf", tensors=[("t", data, qtype)])
+  container = gguf_format.GGUFContainer(path)
+  (info,) = container.tensors
+  want = gguf.quants.dequantize(data, qtype).astype(np.float32).astype(ml_dtypes.bfloat16)
+  monkeypatch.setattr(gguf_format, "CHUNK_VALUES", 4096)
+  tracemalloc.start()
+  try:
+    got = container.dequantize(info, ml_dtypes.bfloat16)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert got.dtype == ml_dtypes.bfloat16 and got.shape == (256, 1024)
+  np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+  assert peak < got.nbytes + 16 * 4096 * 4 < 256 * 1024 * 4
 
 
 def _header(version=3, tensors=0, fields=0, body=b""):

@@ -3,15 +3,18 @@ tokenizer, and the errors of a truncated file, an unknown or unsupported tensor 
 
 Expected values never come from the loader: weights are written from known arrays (llama.cpp's Q/K row permutation
 applied here, as its converter does), quantized tensors are compared with `gguf.quants`' own round trip and with the
-original values within each type's quantization error, and canonical layouts are spelled out with numpy.
+original values within each type's quantization error (K-quants, which `gguf` cannot quantize, are random valid blocks
+compared with `gguf.quants.dequantize`), and canonical layouts are spelled out with numpy.
 """
 
 import json
 import struct
 
+import ml_dtypes
 import numpy as np
 import pytest
 
+import gguf_blocks
 from maxtext import decode
 from maxtext.checkpoint import gguf as gguf_loader
 from maxtext.checkpoint import load_model, load_run_config, source
@@ -218,7 +221,28 @@ QUANT_TOLERANCE = {
 
 
 def test_every_supported_type_is_tested():
-  assert set(QUANT_TOLERANCE) == set(gguf_loader.SUPPORTED_TENSOR_TYPES)
+  assert set(QUANT_TOLERANCE) | set(gguf_blocks.K_QUANTS) == set(gguf_loader.SUPPORTED_TENSOR_TYPES)
+
+
+@pytest.mark.parametrize("type_name", gguf_blocks.K_QUANTS[:-1])
+def test_k_quant_tensors_load_as_gguf_dequantizes_them_in_float32_and_bfloat16(tmp_path, type_name):
+  """K-quants (random valid blocks: the gguf library cannot quantize them) through the loader; gguf_format_test
+  compares every K-quant bit for bit."""
+  qtype = gguf.GGMLQuantizationType[type_name]
+  raw = gguf_blocks.random_k_blocks(type_name, (6, 512), np.random.default_rng(4))
+  path = tmp_path / f"{type_name}.gguf"
+  writer = gguf.GGUFWriter(str(path), "llama")
+  writer.add_tensor("t", raw, raw_dtype=qtype)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  file = gguf_loader.GGUFFile(path)
+  assert file.tensors["t"].shape == (6, 512) and file.tensors["t"].type_name == type_name
+  expected = gguf.quants.dequantize(raw, qtype)
+  assert np.array_equal(file.read("t"), expected)
+  got = file.read("t", ml_dtypes.bfloat16)
+  assert np.array_equal(got.view(np.uint16), expected.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 @pytest.mark.parametrize("type_name", sorted(QUANT_TOLERANCE))
@@ -291,16 +315,53 @@ def test_an_unknown_tensor_type_is_one_clear_error(llama_file):
 
 
 def test_an_unsupported_quantization_type_names_the_tensor_and_type(tmp_path):
-  path = tmp_path / "q6k.gguf"
+  path = tmp_path / "iq2.gguf"
   writer = gguf.GGUFWriter(str(path), "llama")
-  block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K][1]
-  writer.add_tensor("blk.0.ffn_up.weight", np.zeros((2, block_bytes), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+  block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ2_XXS][1]
+  writer.add_tensor(
+      "blk.0.ffn_up.weight", np.zeros((2, block_bytes), np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS
+  )
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
-  with pytest.raises(NotImplementedError, match="tensor 'blk.0.ffn_up.weight' has quantization type Q6_K"):
-    gguf_loader.GGUFFile(path)
+  file = gguf_loader.GGUFFile(path)  # the header and the metadata (a tokenizer) are still readable
+  assert [t.gguf_name for t in file.unsupported] == ["blk.0.ffn_up.weight"]
+  expected = (
+      r"tensor 'blk.0.ffn_up.weight' has quantization type IQ2_XXS, which is not supported \(supported: F32, F16,"
+      r" BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K\)$"
+  )
+  with pytest.raises(NotImplementedError, match=expected):
+    gguf_loader.check_loadable(file)
+  with pytest.raises(NotImplementedError, match=expected):
+    file.read("model.layers.0.mlp.up_proj.weight")
+
+
+def test_streaming_the_weights_checks_the_tensor_types_first(llama_file, tmp_path):
+  path, _ = llama_file
+  cfg = gguf_loader.load_gguf_config(path)
+  other = tmp_path / "iq3.gguf"  # another path: open_gguf's cache keeps the first file
+  other.write_bytes(path.read_bytes())
+  _set_tensor_type(other, "blk.1.ffn_down.weight", gguf.GGMLQuantizationType.IQ3_S)
+  with pytest.raises(NotImplementedError, match=r"^\S*iq3.gguf: tensor 'blk.1.ffn_down.weight' has .* type IQ3_S"):
+    gguf_loader.iter_gguf_params(other, cfg)
+
+
+def test_an_unsupported_architecture_and_tensor_types_are_one_error_naming_them_all(tmp_path):
+  path = tmp_path / "gemma3.gguf"
+  write_model(path, arch="gemma3")
+  iq2, iq4 = gguf.GGMLQuantizationType.IQ2_XXS, gguf.GGMLQuantizationType.IQ4_NL
+  _set_tensor_type(path, "blk.0.attn_output.weight", iq2)
+  _set_tensor_type(path, "blk.0.ffn_up.weight", iq4)
+  _set_tensor_type(path, "blk.1.attn_output.weight", iq2)
+  expected = (
+      r"gemma3.gguf: GGUF architecture 'gemma3' is not supported \(supported: llama, qwen3\); and 2 tensors"
+      r" \('blk.0.attn_output.weight', 'blk.1.attn_output.weight'\) have quantization type IQ2_XXS, tensor"
+      r" 'blk.0.ffn_up.weight' has quantization type IQ4_NL, which are not supported \(supported: F32, F16, .*,"
+      r" Q8_K\)$"
+  )
+  with pytest.raises(NotImplementedError, match=expected):
+    gguf_loader.load_gguf_config(path)
 
 
 def test_unsupported_architecture_and_missing_file(tmp_path):

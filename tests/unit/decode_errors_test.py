@@ -72,6 +72,14 @@ def test_a_model_source_set_by_the_model_config_is_named_as_such(capsys, tmp_pat
   assert line.endswith("drop model_name=smollm2-135m-instruct (its model config names gguf_model_path) or hf_model_path")
 
 
+def test_a_run_that_cannot_fit_in_memory_is_one_line_naming_the_figures(capsys, monkeypatch):
+  monkeypatch.setenv("MAXTEXT_MEMORY_LIMIT_BYTES", "15000000")
+  assert decode.main([BASE, "model_name=qwen3-next-tiny", "prompt=Hi", "max_new_tokens=2"]) == 2
+  line = _error_line(capsys)
+  assert line.startswith("model_name=qwen3-next-tiny needs 19.8 MB (2.6 MB of float32 parameters"), line
+  assert "but 15.0 MB is available (MAXTEXT_MEMORY_LIMIT_BYTES); use KV caches within 12.4 MB" in line
+
+
 @pytest.mark.slow
 def test_max_new_tokens_beyond_max_target_length_is_said_once_and_capped(capsys):
   # "I love" is bos + 6 bytes = 7 tokens, so max_target_length=32 leaves room for 25.

@@ -34,20 +34,25 @@ def test_the_environment_variable_overrides_and_is_checked():
 @pytest.mark.parametrize(
     "cgroup, meminfo, expected",
     [
-        ("max\n", "MemTotal: 100 kB\nMemAvailable:   2000 kB\n", (2048000, "MemAvailable in {meminfo}")),
-        ("1024000\n", "MemAvailable:   2000 kB\n", (1024000, "the cgroup limit {cgroup}")),
-        ("4096000\n", "MemAvailable:   2000 kB\n", (2048000, "MemAvailable in {meminfo}")),
-        (None, None, None),
+        (("max\n", "5\n"), "MemTotal: 100 kB\nMemAvailable:   2000 kB\n", (2048000, "MemAvailable in {meminfo}")),
+        (
+            ("1024000\n", "1000\n"),
+            "MemAvailable: 2000 kB\n",
+            (1023000, "the cgroup limit {limit} less 1000 bytes in use"),
+        ),
+        (("1024000\n", None), "MemAvailable: 2000 kB\n", (1024000, "the cgroup limit {limit} less 0 bytes in use")),
+        (("4096000\n", "0\n"), "MemAvailable:   2000 kB\n", (2048000, "MemAvailable in {meminfo}")),
+        ((None, None), None, None),
     ],
 )
-def test_the_available_memory_is_the_smaller_of_the_cgroup_limit_and_mem_available(
+def test_the_available_memory_is_the_smaller_of_the_cgroups_room_and_mem_available(
     tmp_path, monkeypatch, cgroup, meminfo, expected
 ):
-  paths = {"cgroup": tmp_path / "memory.max", "meminfo": tmp_path / "meminfo"}
-  if cgroup is not None:
-    paths["cgroup"].write_text(cgroup, encoding="ascii")
-    paths["meminfo"].write_text(meminfo, encoding="ascii")
-  monkeypatch.setattr(memory_budget, "_CGROUP_FILES", (str(paths["cgroup"]),))
+  paths = {"limit": tmp_path / "memory.max", "usage": tmp_path / "memory.current", "meminfo": tmp_path / "meminfo"}
+  for key, text in (("limit", cgroup[0]), ("usage", cgroup[1]), ("meminfo", meminfo)):
+    if text is not None:
+      paths[key].write_text(text, encoding="ascii")
+  monkeypatch.setattr(memory_budget, "_CGROUP_FILES", ((str(paths["limit"]), str(paths["usage"])),))
   monkeypatch.setattr(memory_budget, "_MEMINFO", str(paths["meminfo"]))
   found = memory_budget.available_memory({})
   assert found == (None if expected is None else (expected[0], expected[1].format(**paths)))

@@ -1,10 +1,10 @@
-"""`maxtext-decode` / `python -m maxtext.decode`: run a decode from a YAML config and `key=value` overrides.
+r"""`maxtext-decode` / `python -m maxtext.decode`: run a decode from a YAML config and `key=value` overrides.
 
     maxtext-decode configs/base.yml model_name=qwen3-next-tiny prompt="I love to" max_new_tokens=16
     maxtext-decode configs/base.yml model_name=qwen3-next-tiny output_format=json max_new_tokens=8
     maxtext-decode configs/base.yml model_name=qwen3.5-tiny dry_run=true      # the cache layout, no model run
     maxtext-decode configs/base.yml model_name=smollm2-135m-instruct prompt="What is the capital of France?" \
-        use_chat_template=true                                                 # a real model (fetch it first)
+        use_chat_template=true                                                # a real model (fetch it first)
     maxtext-decode configs/base.yml model_name=llama-tiny prompts_file=prompts.jsonl output_format=json max_new_tokens=8
 
 Text output streams the completion of a single prompt to stdout as it is generated; with `prompts_file=` (one

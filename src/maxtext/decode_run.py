@@ -18,7 +18,7 @@ import ml_collections
 
 from maxtext.checkpoint import load_run_config
 from maxtext.configs.errors import MissingDependencyError
-from maxtext.inference import kv_cache_capacity
+from maxtext.inference import kv_cache_capacity, memory_budget
 from maxtext.inference import prompts as prompt_checks
 from maxtext.inference.engine import make_kv_cache_manager
 from maxtext.inference.llm import LLM, RequestOutput
@@ -62,11 +62,13 @@ def sampling_params_from_config(cfg: ml_collections.FrozenConfigDict) -> Samplin
 
 
 def format_layout(cfg: ml_collections.FrozenConfigDict) -> str:
-  """Each layer's kind, KV-cache group, physical slot, cache shapes/dtypes/bytes, and the total memory; then what
-  the cache holds for requests of `max_target_length` tokens with the hybrid allocator on and off."""
+  """Each layer's kind, KV-cache group, physical slot, cache shapes/dtypes/bytes, and the total memory; the
+  parameters' bytes beside them; then what the cache holds for requests of `max_target_length` tokens with the
+  hybrid allocator on and off."""
   specs, shared = kv_cache_spec.get_kv_cache_specs(cfg), kv_cache_spec.get_shared_kv_cache_layers(cfg)
   layout = make_kv_cache_manager(cfg).format_layout()
-  return layout + "\n" + kv_cache_capacity.format_capacity(*kv_cache_capacity.compare(cfg, specs, shared))
+  capacity = kv_cache_capacity.format_capacity(*kv_cache_capacity.compare(cfg, specs, shared))
+  return "\n".join([layout, memory_budget.format_need(cfg, memory_budget.memory_need(cfg)), capacity])
 
 
 def _logprobs_json(output: Any) -> list[dict[str, Any]]:

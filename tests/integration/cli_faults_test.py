@@ -224,3 +224,50 @@ def test_load_parameters_path_that_is_not_a_checkpoint_is_one_line(tmp_path):
   assert err.splitlines() == [
       f"maxtext-decode: error: '{tmp_path}' is not an Orbax parameter checkpoint (it has no _METADATA file)"
   ]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["gguf_model_path={folder}"], "gguf_model_path='{folder}' is a folder, not a GGUF file;"),
+        (["hf_model_path={file}"], "hf_model_path='{file}' is a file, not a folder;"),
+        (
+            ["model_name=smollm2-135m-instruct", "hf_model_path={folder}"],
+            "the command line sets hf_model_path='{folder}' and model_name=smollm2-135m-instruct sets gguf_model_path=",
+        ),
+    ],
+)
+def test_a_wrong_kind_of_path_or_a_key_from_the_model_config_is_named_in_one_line(tmp_path, args, expected):
+  paths = {"folder": tmp_path, "file": tmp_path / "model.safetensors"}
+  paths["file"].write_bytes(b"\x00" * 8)
+  proc = _start(
+      ["configs/base.yml", "prompt=Hi", *(arg.format(**paths) for arg in args)],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+  )
+  out, err = proc.communicate(timeout=300)
+  assert (proc.returncode, out) == (2, ""), err
+  (line,) = err.splitlines()
+  assert line.startswith("maxtext-decode: error: " + expected.format(**paths)), line
+  assert "does not exist" not in line
+
+
+def test_a_run_that_cannot_fit_in_memory_is_refused_in_one_line_before_anything_is_allocated():
+  # The same refusal as llama3.1-8b's 33 GB on a smaller machine, on the tiny model with a lowered limit.
+  env = dict(_env(), MAXTEXT_MEMORY_LIMIT_BYTES="15000000")
+  proc = subprocess.Popen(  # pylint: disable=consider-using-with  # communicate() below
+      [sys.executable, "-m", "maxtext.decode", "configs/base.yml", "model_name=qwen3-next-tiny", "prompt=Hi"],
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+  )
+  out, err = proc.communicate(timeout=300)
+  assert (proc.returncode, out) == (2, ""), err
+  assert err.splitlines() == [
+      "maxtext-decode: error: model_name=qwen3-next-tiny needs 19.8 MB (2.6 MB of float32 parameters, random, no"
+      " checkpoint, + 17.2 MB of KV caches) but 15.0 MB is available (MAXTEXT_MEMORY_LIMIT_BYTES); use KV caches"
+      " within 12.4 MB: a smaller kv_cache_memory_bytes, num_kv_blocks, max_target_length or max_num_seqs"
+  ]

@@ -55,6 +55,31 @@ def test_hf_model_path_that_is_a_file_says_it_is_not_a_folder(capsys, tmp_path):
   assert _error_line(capsys).startswith(f"hf_model_path='{path}' is a file, not a folder")
 
 
+def test_gguf_model_path_that_is_a_folder_says_it_is_not_a_gguf_file(capsys, tmp_path):
+  (tmp_path / "model.Q4_1.gguf").write_bytes(b"GGUF")
+  assert decode.main([BASE, f"gguf_model_path={tmp_path}", "prompt=Hi"]) == 2
+  line = _error_line(capsys)
+  assert line.startswith(f"gguf_model_path='{tmp_path}' is a folder, not a GGUF file;"), line
+  assert line.endswith("it holds model.Q4_1.gguf") and "does not exist" not in line
+
+
+def test_a_model_source_set_by_the_model_config_is_named_as_such(capsys, tmp_path):
+  assert decode.main([BASE, "model_name=smollm2-135m-instruct", f"hf_model_path={tmp_path}", "prompt=Hi"]) == 2
+  line = _error_line(capsys)
+  assert line.startswith(
+      f"the command line sets hf_model_path='{tmp_path}' and model_name=smollm2-135m-instruct sets gguf_model_path="
+  ), line
+  assert line.endswith("drop model_name=smollm2-135m-instruct (its model config names gguf_model_path) or hf_model_path")
+
+
+def test_a_run_that_cannot_fit_in_memory_is_one_line_naming_the_figures(capsys, monkeypatch):
+  monkeypatch.setenv("MAXTEXT_MEMORY_LIMIT_BYTES", "15000000")
+  assert decode.main([BASE, "model_name=qwen3-next-tiny", "prompt=Hi", "max_new_tokens=2"]) == 2
+  line = _error_line(capsys)
+  assert line.startswith("model_name=qwen3-next-tiny needs 19.8 MB (2.6 MB of float32 parameters"), line
+  assert "but 15.0 MB is available (MAXTEXT_MEMORY_LIMIT_BYTES); use KV caches within 12.4 MB" in line
+
+
 @pytest.mark.slow
 def test_max_new_tokens_beyond_max_target_length_is_said_once_and_capped(capsys):
   # "I love" is bos + 6 bytes = 7 tokens, so max_target_length=32 leaves room for 25.

@@ -111,11 +111,17 @@ class GGUFFile:
 
   Raises:
     FileNotFoundError: no such file.
-    GGUFError: not a GGUF file, truncated or corrupt, or a tensor of a type ggml does not define.
+    GGUFError: a folder, not a GGUF file, truncated or corrupt, or a tensor of a type ggml does not define.
   """
 
   def __init__(self, path: str | os.PathLike):
     self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if os.path.isdir(self.path):
+      found = sorted(name for name in os.listdir(self.path) if name.endswith(".gguf"))
+      hint = f"; it holds {', '.join(found[:3])}" if found else "; it holds no .gguf file"
+      raise GGUFError(
+          f"gguf_model_path={self.path!r} is a folder, not a GGUF file; give the path of the .gguf file itself{hint}"
+      )
     if not os.path.isfile(self.path):
       raise FileNotFoundError(
           f"GGUF file {self.path!r} (gguf_model_path) does not exist; for the README's example model run"
@@ -224,7 +230,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
   """
   full = os.path.abspath(os.path.expanduser(os.fspath(path)))
   if not os.path.isfile(full):
-    return GGUFFile(full)  # raises FileNotFoundError
+    return GGUFFile(full)  # raises FileNotFoundError, or GGUFError for a folder
   stat = os.stat(full)
   return _open_cached(full, stat.st_size, stat.st_mtime_ns)
 

@@ -9,7 +9,7 @@ from flax import nnx
 
 from maxtext.checkpoint import source
 from maxtext.configs import load_config
-from maxtext.configs.loader import merge_layers
+from maxtext.configs.loader import merge_layers_with_origins
 from maxtext.models import Transformer
 
 logger = logging.getLogger(__name__)
@@ -59,8 +59,8 @@ def load_run_config(argv: Sequence[str] = (), **overrides: Any) -> ml_collection
   """
   # Only the source keys are read here: the other keys are validated together once the model keys are known, so
   # that e.g. prompt_token_ids is checked against the checkpoint's vocabulary, not base.yml's.
-  values = merge_layers(argv, **overrides)
-  model = source.model_source(values)
+  values, origins = merge_layers_with_origins(argv, **overrides)
+  model = source.model_source(values, origins)
   if model is None:
     return load_config(argv, **overrides)
   model.check_run_config(values)

@@ -63,6 +63,11 @@ def normalize_name(name: str) -> str | None:
 
 def _list_files(folder: str) -> list[str]:
   """The safetensors files of a folder: those of the sharded index if present, else every *.safetensors."""
+  if os.path.isfile(folder):
+    raise ValueError(
+        f"hf_model_path={folder!r} is a file, not a folder; give the Hugging Face folder holding config.json,"
+        " *.safetensors and tokenizer.json"
+    )
   if not os.path.isdir(folder):
     raise FileNotFoundError(f"Hugging Face model folder {folder!r} does not exist")
   index_path = os.path.join(folder, INDEX_FILE)

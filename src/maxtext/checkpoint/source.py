@@ -125,10 +125,20 @@ class HFFolder(CheckpointSource):
 
   key = HF_KEY
 
+  def _require_folder(self) -> None:
+    """Raises ConfigError when the path names a file (a folder that does not exist is the reader's error)."""
+    if os.path.exists(self.path) and not os.path.isdir(self.path):
+      raise ConfigError(
+          f"hf_model_path={self.path!r} is a file, not a folder; give the Hugging Face folder holding config.json,"
+          " *.safetensors and tokenizer.json"
+      )
+
   def model_keys(self) -> dict[str, Any]:
+    self._require_folder()
     return hf_config.hf_config_to_overrides(hf_config.read_hf_config(self.path))
 
   def load_config(self, argv: Sequence[str] = (), **overrides: Any) -> ml_collections.FrozenConfigDict:
+    self._require_folder()
     return hf.load_hf_config(self.path, argv, **overrides)
 
   def check_run_config(self, values: Mapping[str, Any]) -> None:
@@ -137,11 +147,7 @@ class HFFolder(CheckpointSource):
     Raises:
       ConfigError: naming both keys, or saying the path is not a folder.
     """
-    if os.path.exists(self.path) and not os.path.isdir(self.path):
-      raise ConfigError(
-          f"hf_model_path={self.path!r} is a file, not a folder; give the Hugging Face folder holding config.json,"
-          " *.safetensors and tokenizer.json"
-      )
+    self._require_folder()
     model_name = values.get("model_name", DEFAULT_MODEL_NAME)
     if model_name != DEFAULT_MODEL_NAME:
       raise ConfigError(
@@ -261,16 +267,32 @@ def names_checkpoint(cfg: Any) -> bool:
   return any(_get(cfg, key) for key in SOURCE_KEYS)
 
 
-def model_source(cfg: Any) -> CheckpointSource | None:
+def model_source(cfg: Any, origins: Mapping[str, str] | None = None) -> CheckpointSource | None:
   """The source of the model keys and the tokenizer (the Hugging Face folder or the GGUF file), or None.
 
+  Args:
+    cfg: a config, or a mapping of its keys.
+    origins: where each key was set (`loader.merge_layers_with_origins`), to name it in the error; None when
+      unknown.
+
   Raises:
-    ConfigError: more than one is set.
+    ConfigError: more than one is set (naming, when `origins` says so, the layer that set each).
   """
   given = {key: _get(cfg, key) for key in MODEL_SOURCE_KEYS if _get(cfg, key)}
   if len(given) > 1:
-    named = " and ".join(f"{key}={path!r}" for key, path in given.items())
-    raise ConfigError(f"{named} are both set; set one (the model keys come from either)")
+    if origins is None:
+      named = " and ".join(f"{key}={path!r}" for key, path in given.items())
+      raise ConfigError(f"{named} are both set; set one (the model keys come from either)")
+    by_origin: dict[str, list[str]] = {}
+    for key, path in given.items():
+      by_origin.setdefault(origins.get(key, "the config"), []).append(f"{key}={path!r}")
+    named = " and ".join(f"{origin} sets {' and '.join(keys)}" for origin, keys in by_origin.items())
+    advice = "set one (the model keys come from either)"
+    from_model = [key for key in given if origins.get(key, "").startswith("model_name=")]
+    if from_model:
+      others = " or ".join(key for key in given if key not in from_model)
+      advice = f"drop {origins[from_model[0]]} (its model config names {from_model[0]}) or {others}"
+    raise ConfigError(f"{named}; a run takes its model from one source: {advice}")
   if not given:
     return None
   ((key, path),) = given.items()

@@ -188,6 +188,16 @@ def merge_layers(argv: Sequence[str] = (), **overrides: Any) -> dict[str, Any]:
   Raises:
     ConfigError: an unknown key, a key set twice in one layer, or a value of the wrong type.
   """
+  return merge_layers_with_origins(argv, **overrides)[0]
+
+
+def merge_layers_with_origins(argv: Sequence[str] = (), **overrides: Any) -> tuple[dict[str, Any], dict[str, str]]:
+  """`merge_layers`' values, and for each key the layer that set it, as an error message names it: `the command
+  line`, `a keyword argument`, `model_name=NAME` (its models/NAME.yml) or the base YAML's path.
+
+  Raises:
+    ConfigError: see `merge_layers`.
+  """
   if isinstance(argv, str):
     raise ConfigError(f"argv must be a sequence of strings, got the string {argv!r}")
   base_path, cli_text = _parse_argv(argv)
@@ -204,6 +214,7 @@ def merge_layers(argv: Sequence[str] = (), **overrides: Any) -> dict[str, Any]:
   override_layer = _typed_layer(cli_text, types, "command line", is_text=True)
   override_layer.update(_typed_layer(overrides, types, "keyword argument"))
 
+  origins = dict.fromkeys(values, base_path)
   model_name = override_layer.get("model_name", values["model_name"])
   if model_name != DEFAULT_MODEL_NAME:
     model_path = _model_config_path(model_name, base_path)
@@ -211,10 +222,13 @@ def merge_layers(argv: Sequence[str] = (), **overrides: Any) -> dict[str, Any]:
     if "model_name" in model_layer and model_layer["model_name"] != model_name:
       raise ConfigError(f"{model_path}: model_name={model_layer['model_name']!r} disagrees with the file name")
     values.update(model_layer)
+    origins.update(dict.fromkeys(model_layer, f"model_name={model_name}"))
   values.update(override_layer)
+  origins.update(dict.fromkeys(cli_text, "the command line"))
+  origins.update(dict.fromkeys(overrides, "a keyword argument"))
   values["model_name"] = model_name
   logger.debug("merged config %s with overrides %s", model_name, sorted(override_layer))
-  return values
+  return values, origins
 
 
 def load_config(argv: Sequence[str] = (), **overrides: Any) -> ml_collections.FrozenConfigDict:

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from maxtext.checkpoint import weight_cache
-from maxtext.inference import compilation_cache, step_programs
+from maxtext.inference import compilation_cache, memory_budget, step_programs
 from maxtext.inference.batch import BatchInputs, build_batch, next_power_of_two, padded_num_tokens
 from maxtext.inference.kv_cache_manager import KVCacheManager, max_num_reqs
 from maxtext.inference.request import Request, RequestStatus
@@ -185,6 +185,8 @@ class LLMEngine:
   Raises:
     ValueError: the mesh asks for more devices than JAX has.
     ConfigError: `compilation_cache_dir` is not a folder that can be created and written.
+    InsufficientMemoryError: on CPU, the parameters and caches need more memory than the process may use
+      (`memory_budget.check_fits`; nothing is allocated).
   """
 
   def __init__(self, cfg: ml_collections.FrozenConfigDict, *, eos_token_id: int | None = None):
@@ -195,6 +197,8 @@ class LLMEngine:
           dict(cfg.as_configdict().to_dict(), kernel_backend=device_default_name(self.mesh))
       )
     self.cfg = cfg
+    # Host memory only: on a CPU mesh the parameters and caches live in this process's memory; a TPU's are not.
+    self.memory_need = memory_budget.check_fits(cfg) if all(d.platform == "cpu" for d in self.mesh.devices.flat) else None
     rng_key = jax.random.key(cfg.init_seed)
     self.model = MaxTextForCausalLM.from_config(cfg, rng_key, self.mesh)  # the model's keys only
     self.manager = make_kv_cache_manager(cfg)

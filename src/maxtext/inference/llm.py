@@ -104,11 +104,13 @@ class LLM:
 
     `SamplingParams.max_tokens` is an upper bound: a request also stops when prompt + output reaches
     `max_target_length` (finish reason "length"), so a larger `max_tokens` is not an error; the progress bar counts
-    the tokens that can actually be generated. With `use_chat_template=true` in the config, string prompts are sent
-    as one user message through the model's chat template (see `apply_chat_template`). `on_token(prompt index,
-    token id)` is called for every token as soon as it is sampled (in step order), e.g. to stream text. When
-    `cancel` is set (from a signal handler or another thread), the call aborts its unfinished requests and raises
-    KeyboardInterrupt before its next step. `generate_iter` hands out each output as soon as it is ready instead.
+    the tokens that can actually be generated, and a request that finishes early (eos, a stop token) lowers its
+    total to what was generated, so the bar ends at 100%. With `use_chat_template=true` in the config, string
+    prompts are sent as one user message through the model's chat template (see `apply_chat_template`).
+    `on_token(prompt index, token id)` is called for every token as soon as it is sampled (in step order), e.g. to
+    stream text. When `cancel` is set (from a signal handler or another thread), the call aborts its unfinished
+    requests and raises KeyboardInterrupt before its next step. `generate_iter` hands out each output as soon as it
+    is ready instead.
 
     Raises:
       TypeError: `prompts` is not a string, a list of token ids or a list of those (bytes, None, a number), a
@@ -163,22 +165,27 @@ class LLM:
     positions = {rid: i for i, rid in enumerate(order)}
     done: dict[str, FinishedRequest] = {}
     limit = int(self.cfg.max_target_length)
-    total = sum(
-        prompt_checks.num_generatable_tokens(len(ids), p.max_tokens, limit)
-        for (_, ids), p in zip(prepared, sampling_params)
-    )
+    # The bar counts this call's tokens against what can still be generated: a request's reachable tokens while it
+    # runs, its actual count once it finished (eos, a stop token or an abort end it early), so it ends at 100%.
+    reachable = {
+        rid: prompt_checks.num_generatable_tokens(len(ids), p.max_tokens, limit)
+        for rid, (_, ids), p in zip(order, prepared, sampling_params)
+    }
+    counted = dict.fromkeys(order, 0)
     emitted = 0
     try:
-      with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=not use_tqdm) as progress:
+      with tqdm(
+          total=sum(reachable.values()), desc="generating", unit="tok", file=sys.stderr, disable=not use_tqdm
+      ) as progress:
         while self.engine.has_unfinished_requests():
           if cancel is not None and cancel.is_set():
             raise KeyboardInterrupt("generate cancelled")
-          before = self.engine.stats.generated_tokens
-          for finished in self.engine.step():
+          finished_now = self.engine.step()
+          for finished in finished_now:
             done[finished.request_id] = finished
           if on_token is not None:
             _report_tokens(self.engine.last_sampled, positions, on_token)
-          progress.update(self.engine.stats.generated_tokens - before)
+          _advance(progress, self.engine.last_sampled, finished_now, reachable, counted)
           if emitted < len(order) and order[emitted] in done:
             progress.clear()  # the caller may write to the terminal the bar is drawn on
             while emitted < len(order) and order[emitted] in done:
@@ -247,6 +254,30 @@ class LLM:
     return RequestOutput(
         finished.request_id, prompt, finished.prompt_token_ids, (completion,), finished.num_cached_tokens
     )
+
+
+def _advance(
+    progress: tqdm,
+    sampled: Mapping[str, int],
+    finished_now: Sequence[FinishedRequest],
+    reachable: dict[str, int],
+    counted: dict[str, int],
+) -> None:
+  """Moves the bar by this step's tokens of the call's requests (`sampled`: request id -> token). A request that
+  finished in the step (`finished_now`) counts its actual tokens, and the total drops by those it will never
+  generate (eos, a stop token, an abort), so once every request is finished the bar stands at its total."""
+  for rid in sampled:
+    if rid in counted:
+      counted[rid] += 1
+  for finished in finished_now:
+    rid = finished.request_id
+    if rid in counted:
+      actual = len(finished.output_token_ids)
+      if actual != reachable[rid]:
+        progress.total -= reachable[rid] - actual
+        reachable[rid] = actual
+      counted[rid] = actual  # a token sampled after a stop and dropped does not count
+  progress.update(sum(counted.values()) - progress.n)
 
 
 def _report_tokens(

@@ -371,6 +371,8 @@ def test_unsupported_architecture_and_missing_file(tmp_path):
     gguf_loader.load_gguf_config(path)
   with pytest.raises(FileNotFoundError, match="fetch_example_model.py"):
     gguf_loader.load_gguf_config(tmp_path / "absent.gguf")
+  with pytest.raises(gguf_loader.GGUFError, match=r"is a folder, not a GGUF file; .* it holds other.gguf$"):
+    gguf_loader.load_gguf_config(tmp_path)
 
 
 def test_missing_and_unexpected_tensors_are_named(tmp_path):
@@ -406,7 +408,10 @@ def test_prompt_token_ids_are_checked_against_the_files_vocabulary(tmp_path, cap
 
 def test_hf_and_gguf_paths_together_are_refused(llama_file, tmp_path):
   path, _ = llama_file
-  with pytest.raises(ConfigError, match="hf_model_path=.* and gguf_model_path=.* are both set"):
+  with pytest.raises(
+      ConfigError,
+      match="a keyword argument sets hf_model_path=.* and gguf_model_path=.*; a run takes its model from one source",
+  ):
     load_run_config(gguf_model_path=str(path), hf_model_path=str(tmp_path))
 
 

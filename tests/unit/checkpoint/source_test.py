@@ -65,6 +65,32 @@ def test_two_model_sources_are_one_clear_error():
       ask(keys)
 
 
+def test_two_model_sources_name_the_layer_that_set_each():
+  keys = _keys(hf_model_path="/hf", gguf_model_path="/m.gguf")
+  origins = {"hf_model_path": "the command line", "gguf_model_path": "model_name=smollm2-135m-instruct"}
+  with pytest.raises(ConfigError) as raised:
+    source.model_source(keys, origins)
+  assert str(raised.value) == (
+      "the command line sets hf_model_path='/hf' and model_name=smollm2-135m-instruct sets gguf_model_path='/m.gguf';"
+      " a run takes its model from one source: drop model_name=smollm2-135m-instruct (its model config names"
+      " gguf_model_path) or hf_model_path"
+  )
+  both_typed = dict.fromkeys(origins, "the command line")
+  with pytest.raises(ConfigError, match=r"^the command line sets hf_model_path='/hf' and gguf_model_path='/m.gguf';"):
+    source.model_source(keys, both_typed)
+
+
+def test_a_file_given_as_the_hugging_face_folder_is_named_a_file(tmp_path):
+  path = tmp_path / "model.safetensors"
+  path.write_bytes(b"\x00" * 8)
+  folder = source.open_source("hf_model_path", str(path))
+  for ask in (folder.load_config, folder.model_keys):
+    with pytest.raises(ConfigError, match=r"hf_model_path='.*model.safetensors' is a file, not a folder"):
+      ask()
+  with pytest.raises(ValueError, match=r"hf_model_path='.*model.safetensors' is a file, not a folder"):
+    next(iter(folder.iter_params(load_config())))
+
+
 @pytest.mark.parametrize(
     "paths, message",
     [

@@ -237,3 +237,14 @@ def test_base_config_errors_name_the_file(tmp_path, text, match):
   path.write_text(text, encoding="utf-8")
   with pytest.raises(ConfigError, match=match):
     load_config([str(path)])
+
+
+def test_merge_layers_with_origins_names_the_layer_of_each_key():
+  values, origins = loader.merge_layers_with_origins(
+      [BASE_CONFIG_PATH, "model_name=smollm2-135m-instruct", "prompt=Hi"], seed=3
+  )
+  assert values == loader.merge_layers([BASE_CONFIG_PATH, "model_name=smollm2-135m-instruct", "prompt=Hi"], seed=3)
+  assert origins["gguf_model_path"] == "model_name=smollm2-135m-instruct"
+  assert origins["prompt"] == origins["model_name"] == "the command line"
+  assert origins["seed"] == "a keyword argument"
+  assert origins["block_size"] == BASE_CONFIG_PATH

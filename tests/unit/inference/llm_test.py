@@ -254,6 +254,26 @@ def test_the_progress_bar_goes_to_stderr(llm, capsys):
   assert "generating" in captured.err
 
 
+def _last_bar(err: str) -> str:
+  """The progress bar as last drawn (tqdm redraws it in place with carriage returns)."""
+  return [part for part in err.replace("\n", "\r").split("\r") if part.startswith("generating")][-1]
+
+
+def test_the_progress_bar_ends_at_100_percent_when_requests_stop_early(llm, capsys):
+  prompt = [100, 101, 102]
+  (free,) = llm.generate([prompt], SamplingParams(max_tokens=6))
+  stop_at = free.outputs[0].token_ids[2]
+  outputs = llm.generate(
+      [prompt, [40, 41]],
+      [SamplingParams(max_tokens=20, stop_token_ids=[stop_at]), SamplingParams(max_tokens=4)],
+      use_tqdm=True,
+  )
+  generated = sum(len(out.outputs[0].token_ids) for out in outputs)
+  assert outputs[0].outputs[0].finish_reason == "stop" and generated <= 3 + 4  # far below the 20 + 4 reachable
+  drawn = _last_bar(capsys.readouterr().err)
+  assert drawn.startswith("generating: 100%") and f" {generated}/{generated} " in drawn, drawn
+
+
 @pytest.mark.slow
 def test_seeded_sampling_is_reproducible_across_engines_and_batches():
   prompt = [200, 201, 202, 203]

@@ -40,7 +40,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 # libtpu resolves the slice's hosts by name; without this it logs a hostname error for every topology.
-TOPOLOGY_ENV = {"TPU_WORKER_HOSTNAMES": "localhost"}
+# No chip is opened, so the lock libtpu takes against a second process using the same TPU guards nothing here.
+TOPOLOGY_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,12 +407,6 @@ def compile_step(
   `layout` orders the physical caches (`kv_cache_layout`: `hybrid` is tpu-inference's order; `layer` and `shuffled`
   give the same arrays in other orders, for the remap's cost); `extra` adds config keys.
   """
-  # pylint: disable=import-outside-toplevel
-  import jax
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec
-  from tpu_inference.models.common.compiler_options import get_step_fn_compiler_options
-
   install()
   _TARGET.append(CHIPS[chip])
   try:
@@ -420,24 +415,35 @@ def compile_step(
     model = abstract_model(overrides, mesh, block_size)
     caches, mapping, manager = abstract_caches(overrides, mesh, block_size, num_blocks, layout)
     metadata = abstract_metadata(manager, mesh, step, max_num_seqs, max_model_len)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    input_ids = jax.ShapeDtypeStruct((step.num_tokens,), np.int32, sharding=replicated)
-    positions = jax.ShapeDtypeStruct((step.num_tokens,), np.int32, sharding=replicated)
-    cache_shardings = jax.tree_util.tree_map(lambda c: c.sharding, caches)
-    fn, leaves = runner_step(model, mesh, cache_shardings)
-    start = time.perf_counter()
-    with jax.set_mesh(mesh):
-      lowered = fn.trace(leaves, caches, input_ids, metadata, None, positions, mapping, None, None, True, True).lower()
-      compiled = lowered.compile(compiler_options=get_step_fn_compiler_options())
-    seconds = time.perf_counter() - start
+    return _compile(model_name, chip, tp, step, model, mesh, caches, metadata, mapping)
   finally:
     _TARGET.pop()
+
+
+def _compile(name, chip, tp, step, model, mesh, caches, metadata, mapping) -> CompiledStep:  # pylint: disable=R0917
+  """Traces `model`'s runner step over the abstract inputs, compiles it for the mesh's TPUs and reads the result."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec
+  from tpu_inference.models.common.compiler_options import get_step_fn_compiler_options
+
+  replicated = NamedSharding(mesh, PartitionSpec())
+  input_ids = jax.ShapeDtypeStruct((step.num_tokens,), np.int32, sharding=replicated)
+  positions = jax.ShapeDtypeStruct((step.num_tokens,), np.int32, sharding=replicated)
+  cache_shardings = jax.tree_util.tree_map(lambda c: c.sharding, caches)
+  fn, leaves = runner_step(model, mesh, cache_shardings)
+  start = time.perf_counter()
+  with jax.set_mesh(mesh):
+    lowered = fn.trace(leaves, caches, input_ids, metadata, None, positions, mapping, None, None, True, True).lower()
+    compiled = lowered.compile(compiler_options=get_step_fn_compiler_options())
+  seconds = time.perf_counter() - start
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   hlo = compiled.as_text()
   return CompiledStep(
-      model=model_name,
+      model=name,
       chip=chip,
       tp=tp,
       step=step.name,
@@ -458,3 +464,89 @@ def compile_step(
       param_bytes=_sharded_bytes(leaves),
       cache_bytes=_sharded_bytes(jax.tree_util.tree_leaves(caches)),
   )
+
+
+# tpu-inference's own JAX models of the families it also implements: `models/jax/<module>.py::<class>`.
+UPSTREAM_MODELS = {"llama": ("llama3", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+
+
+def upstream_vllm_config(hf_config: Any, folder: str, max_model_len: int, block_size: int):
+  """A real `VllmConfig` for an HF config (written to `folder` as config.json; no weights, no tokenizer)."""
+  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
+  from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+  hf_config.save_pretrained(folder)
+  model_config = ModelConfig(model=folder, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len)
+  vllm_config = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=block_size))
+  vllm_config.model_config.dtype = jnp.bfloat16  # as get_flax_model sets it before building the model
+  return vllm_config
+
+
+def compile_upstream_step(
+    family: str,
+    hf_config: Any,
+    folder: str,
+    chip: str,
+    tp: int,
+    step: StepShape,
+    *,
+    num_chips: int = 4,
+    max_model_len: int = 1024,
+    max_num_seqs: int = 8,
+    block_size: int = 16,
+    num_blocks: int = 256,
+) -> CompiledStep:
+  """tpu-inference's own JAX model of `family` ("llama" or "qwen3") for `hf_config`, compiled as `compile_step`
+  compiles this package's: the same jit wrapper, compiler options, metadata and cache shapes (one array per layer,
+  `get_kv_cache_shape_with_mesh` of the heads padded to the TP size, `create_kv_caches`' sharding)."""
+  # pylint: disable=import-outside-toplevel
+  import importlib
+
+  import jax
+  from flax import nnx
+  from jax.sharding import NamedSharding
+  from tpu_inference.distributed.jax_parallel_state import init_pp_distributed_environment
+  from tpu_inference.layers.common.attention_metadata import AttentionMetadata
+  from tpu_inference.runner.kv_cache import get_kv_cache_shape_with_mesh
+  from tpu_inference.utils import get_padded_num_heads
+
+  install()
+  _TARGET.append(CHIPS[chip])
+  try:
+    module, cls_name = UPSTREAM_MODELS[family]
+    cls = getattr(importlib.import_module(f"tpu_inference.models.jax.{module}"), cls_name)
+    init_pp_distributed_environment("127.0.0.1", 0, 1, None, need_pp=False)  # one pipeline stage
+    vllm_config = upstream_vllm_config(hf_config, folder, max_model_len, block_size)
+    mesh = slice_mesh(chip, num_chips, tp)
+    with jax.set_mesh(mesh):
+      model = nnx.eval_shape(lambda: cls(vllm_config, jax.random.key(0), mesh))
+    # The abstract state carries its shardings on an abstract mesh; the step takes them on the slice's devices.
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+      leaf = var.get_value()
+      var.set_value(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, leaf.sharding.spec)))
+    heads = get_padded_num_heads(hf_config.num_key_value_heads, tp)
+    shape = get_kv_cache_shape_with_mesh(mesh, num_blocks, block_size, heads, hf_config.head_dim, jax.numpy.bfloat16)
+    cache = jax.ShapeDtypeStruct(shape, jax.numpy.bfloat16, sharding=runner_cache_sharding(mesh, None, -1))
+    layers = hf_config.num_hidden_layers
+    caches = [cache] * layers
+    mapping = tuple((f"layer.{i}", i) for i in range(layers))
+    metadata = abstract_metadata(_OneGroup(block_size), mesh, step, max_num_seqs, max_model_len)
+    assert isinstance(metadata, AttentionMetadata)
+    return _compile(f"tpu-inference {cls_name}", chip, tp, step, model, mesh, caches, metadata, mapping)
+  finally:
+    _TARGET.pop()
+
+
+@dataclasses.dataclass
+class _OneGroup:
+  """The KV-cache manager facts `abstract_metadata` reads, for a model with one attention group."""
+
+  block_size: int
+  has_recurrent: bool = False
+  mamba_block_size: int = 0
+
+  @property
+  def groups(self):
+    """The one group: this object."""
+    return [self]

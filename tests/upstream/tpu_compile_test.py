@@ -121,3 +121,42 @@ def test_cache_shapes_are_tpu_inferences_own(kv_heads, head_dim, dtype, tp):
   padded = get_padded_num_heads(kv_heads, tp)
   upstream = get_kv_cache_shape_with_mesh(tc.slice_mesh("v6e", 4, tp), 32, 16, padded, head_dim, jnp.dtype(dtype))
   assert get_kv_cache_shape(32, 16, padded, head_dim, dtype, tp) == tuple(upstream)
+
+
+# llama-tiny as a Hugging Face config, for tpu-inference's own Llama model.
+LLAMA_TINY_HF = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "architectures": ["LlamaForCausalLM"],
+}
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_tpu_inferences_own_llama_and_this_one_communicate_alike(tp, tmp_path):
+  """tpu-inference's JAX Llama and this package's, compiled for the same slice, shapes and sharding: the same
+  all-reduces, no gather in either, both with the kernels (docs/serving.md compares the real sizes)."""
+  import transformers  # pylint: disable=import-outside-toplevel
+
+  config = transformers.LlamaConfig.from_dict(LLAMA_TINY_HF)
+  theirs = tc.compile_upstream_step("llama", config, str(tmp_path), "v6e", tp, DECODE)
+  ours = tc.compile_step("llama-tiny", "v6e", tp, DECODE)
+  for result in (theirs, ours):
+    assert result.custom_calls.get("tpu_custom_call", 0) >= 4
+    assert result.aliased_inputs() == result.num_cache_leaves == 4
+    assert not result.all_gather_sources()
+  assert ours.collectives().get("all-reduce", 0) == theirs.collectives().get("all-reduce", 0)

@@ -134,24 +134,30 @@ def fit_rows(settings: Settings) -> list[dict[str, Any]]:
   """Weights, cache and temporaries per chip of a decode step and a prefill chunk, against HBM."""
   rows = []
   for model, chip, chips in FIT_CASES:
-    steps = {}
+    steps, refused = {}, ""
     for step in (tc.StepShape("decode", settings.max_num_seqs), tc.StepShape("prefill", settings.prefill_tokens)):
       start = time.perf_counter()
-      steps[step.name] = tc.compile_step(model, chip, chips, step, **settings.kwargs(chips))
+      try:
+        steps[step.name] = tc.compile_step(model, chip, chips, step, **settings.kwargs(chips))
+      except Exception as e:  # pylint: disable=broad-exception-caught  # XLA refuses a program over HBM
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        refused = f"{step.name}: XLA: " + str(e).split("RESOURCE_EXHAUSTED: ", 1)[-1].split(". HLO module", 1)[0]
       _log(f"fit: {model} on {chips} x {chip}, {step.name}: {time.perf_counter() - start:.0f} s")
-    worst = max(steps.values(), key=lambda r: r.peak_bytes)
     hbm = tc.CHIPS[chip].hbm_bytes
+    worst = max(steps.values(), key=lambda r: r.peak_bytes) if steps else None
+    nan = float("nan")
     rows.append(
         {
             "model": model,
             "slice": f"{chips} x {chip} ({tc.topology_name(chip, chips)})",
-            "tp": chips,
-            "weights_gb": worst.param_bytes / GB,
-            "cache_gb": worst.cache_bytes / GB,
-            "temp_gb": max(r.temp_bytes + r.generated_code_bytes for r in steps.values()) / GB,
-            "peak_gb": worst.peak_bytes / GB,
+            "weights_gb": worst.param_bytes / GB if worst else nan,
+            "cache_gb": worst.cache_bytes / GB if worst else nan,
+            "temp_gb": max(r.temp_bytes + r.generated_code_bytes for r in steps.values()) / GB if steps else nan,
+            "peak_gb": worst.peak_bytes / GB if worst else nan,
             "hbm_gb": hbm / GB,
-            "fits": worst.peak_bytes <= hbm,
+            "fits": bool(worst) and not refused and worst.peak_bytes <= hbm,
+            "note": refused,
         }
     )
   return rows

@@ -227,3 +227,26 @@ def test_a_tpu_inference_without_the_function_is_an_error():
   with mock.patch.dict(sys.modules, modules):
     with pytest.raises(PluginEnvironmentError, match="gdn_attention has no callable run_jax_gdn_attention"):
       get_backend("tpu_inference", _mesh())
+
+
+def _moe_inputs():
+  rng = np.random.default_rng(3)
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # pylint: disable=unnecessary-lambda-assignment
+  indices = jnp.asarray(rng.integers(0, 4, size=(6, 2)), jnp.int32)
+  return f32(6, 8), jax.nn.softmax(f32(6, 2)), indices, f32(4, 8, 16), f32(4, 8, 16), f32(4, 16, 8)
+
+
+@pytest.mark.parametrize("asked, primitive", [("tiled", "ragged_dot"), ("dense", "dot_general")])
+def test_routed_experts_run_as_one_grouped_matmul_where_the_layer_asks_for_the_default(asked, primitive):
+  """A TPU has a native grouped matmul, so the default `tiled` loop becomes `ragged_dot`; other forms pass as asked."""
+  backend, _ = _backend()
+  args = _moe_inputs()
+
+  def run(*arrays):
+    return backend.moe_experts(*arrays, activation=jax.nn.silu, dtype=jnp.float32, method=asked)
+
+  jaxpr = str(jax.make_jaxpr(run)(*args))
+  assert primitive in jaxpr
+  assert asked != "tiled" or "while" not in jaxpr  # not the tile loop
+  expected = ReferenceBackend().moe_experts(*args, activation=jax.nn.silu, dtype=jnp.float32, method="dense")
+  np.testing.assert_allclose(np.asarray(run(*args)), np.asarray(expected), atol=F32_TOL, rtol=F32_TOL)

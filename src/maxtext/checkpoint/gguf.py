@@ -1,18 +1,24 @@
 """Load a GGUF file (llama.cpp's format) into this package's config, parameters and tokenizer.
 
-Architectures: those a family declares (`Family.gguf`), `llama` (decoder_block llama2) and `qwen3`. The container
+Architectures (declared by the families, `Family.gguf`): `llama` (decoder_block llama2), `qwen3`, `gemma3`. The container
 (header, metadata, tensor index, block types) is read by `gguf_format`, which maps the file and dequantizes a tensor
 into the weight dtype only when it is read, a chunk at a time (see `SUPPORTED_TENSOR_TYPES`). GGUF's conventions are
 undone on the way in, so the Hugging Face layout code (`hf_layout`) builds the canonical parameters exactly as for
 a safetensors folder:
-  - tensor names (`blk.{i}.attn_q.weight`, `token_embd.weight`, ...) map to the Hugging Face names;
+  - tensor names (`blk.{i}.attn_q.weight`, `token_embd.weight`, ...) map to the Hugging Face names (the shared
+    table, with the architecture's own names: `GGUFMapping.layer_names`; Gemma 3's `ffn_norm` is the norm before
+    the MLP, `post_attention_norm` and `post_ffw_norm` the sandwich norms);
   - dimensions are stored innermost first (a Linear [out, in] is listed as [in, out]); the reader's arrays are in
     row-major order, so a dequantized tensor already has the Hugging Face shape;
   - for `llama` (`GGUFMapping.permuted_rope_rows`), llama.cpp's converter permutes the rows of attn_q / attn_k (per
     head, the two rotary halves are interleaved for its GPT-J style rope); the inverse permutation restores the
     Hugging Face (rotate-half) rows.
-    Qwen3 files use NeoX rope and are stored unpermuted.
-The metadata becomes a Hugging Face style config dict for `hf_config.hf_config_to_overrides`, the vocabulary and
+    Qwen3 and Gemma 3 files use NeoX rope and are stored unpermuted;
+  - for `gemma3` (`GGUFMapping.norm_shift`), llama.cpp's converter added 1 to every norm weight (Gemma computes
+    x * (1 + w)); it is subtracted again in float32, before the cast to the weight dtype.
+The metadata becomes a Hugging Face style config dict for `hf_config.hf_config_to_overrides` (with the fields
+the file leaves to llama.cpp's code, `GGUFMapping.config`: Gemma 3's layer pattern, sliding RoPE base and query
+scale), the vocabulary and
 merges a `tokenizers.Tokenizer` (byte-level BPE, the `gpt2` tokenizer model), and `tokenizer.chat_template` the
 chat template.
 
@@ -131,13 +137,14 @@ class GGUFFile:
     self.tensors: dict[str, GGUFTensor] = {}
     self.unsupported: list[GGUFTensor] = []  # tensors of a type this loader does not read, in file order
     self._raw: dict[str, gguf_format.TensorInfo] = {}
+    arch = self._container.fields.get("general.architecture")
     for tensor in self._container.tensors:
       if not tensor.type_name:
         raise GGUFError(
             f"{self.path}: a tensor has an unknown tensor type (tensor {tensor.name!r}, type id {tensor.type_id});"
             f" this loader reads {', '.join(SUPPORTED_TENSOR_TYPES)}"
         )
-      name = hf_tensor_name(tensor.name)
+      name = hf_tensor_name(tensor.name, arch if isinstance(arch, str) else None)
       self.tensors[name] = GGUFTensor(tensor.name, name, tensor.shape, tensor.type_name)
       self._raw[name] = tensor
       if tensor.type_name not in SUPPORTED_TENSOR_TYPES:  # its byte size is unknown here: no extent check
@@ -229,14 +236,17 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
   return _open_cached(full, stat.st_size, stat.st_mtime_ns)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-  """The Hugging Face name of a GGUF tensor name (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`);
-  names without a counterpart are returned unchanged (and reported as unexpected by the loader)."""
+def hf_tensor_name(gguf_name: str, architecture: str | None = None) -> str:
+  """The Hugging Face name of a GGUF tensor name (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`)
+  in a file of `architecture` (its `GGUFMapping.layer_names` win over the shared table); names without a
+  counterpart are returned unchanged (and reported as unexpected by the loader)."""
   if gguf_name in _GLOBAL_NAMES:
     return _GLOBAL_NAMES[gguf_name]
+  mapping = families.gguf_mapping(architecture) if architecture else None
+  layer_names = _LAYER_NAMES | dict(mapping.layer_names) if mapping is not None else _LAYER_NAMES
   parts = gguf_name.split(".", 2)
-  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+    return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
   return gguf_name
 
 
@@ -303,6 +313,9 @@ def gguf_to_hf_config(file: GGUFFile) -> dict[str, Any]:
     config["rope_scaling"] = {"rope_type": "linear", "factor": float(require("rope.scaling.factor"))}
   elif scaling != "none":
     raise NotImplementedError(f"{file.path}: {arch}.rope.scaling.type={scaling!r} is not supported (none | linear)")
+  mapping = families.gguf_mapping(arch)
+  if mapping.config is not None:
+    config.update(mapping.config(require, config))
   return config
 
 
@@ -372,6 +385,7 @@ def _validate(file: GGUFFile, recipes: list[hf_layout.Recipe]) -> None:
 def _reader(file: GGUFFile, cfg: Any, dtype: np.dtype):
   permute = {}
   mapping = families.gguf_mapping(file.architecture)
+  norm_shift = mapping.norm_shift if mapping is not None else 0.0
   if mapping is not None and mapping.permuted_rope_rows:
     for i in range(cfg.base_num_decoder_layers):
       permute[f"model.layers.{i}.self_attn.q_proj.weight"] = cfg.base_num_query_heads
@@ -380,6 +394,8 @@ def _reader(file: GGUFFile, cfg: Any, dtype: np.dtype):
       permute[f"model.layers.{i}.self_attn.k_proj.bias"] = cfg.base_num_kv_heads
 
   def read(name: str) -> np.ndarray:
+    if norm_shift and name.endswith("norm.weight"):  # small vectors: shifted in float32, then cast
+      return (file.read(name, np.float32) - np.float32(norm_shift)).astype(dtype)
     array = file.read(name, dtype)
     return _unpermute_rope_rows(array, permute[name]) if name in permute else array
 

@@ -348,14 +348,14 @@ def test_streaming_the_weights_checks_the_tensor_types_first(llama_file, tmp_pat
 
 
 def test_an_unsupported_architecture_and_tensor_types_are_one_error_naming_them_all(tmp_path):
-  path = tmp_path / "gemma3.gguf"
-  write_model(path, arch="gemma3")
+  path = tmp_path / "gemma2.gguf"
+  write_model(path, arch="gemma2")
   iq2, iq4 = gguf.GGMLQuantizationType.IQ2_XXS, gguf.GGMLQuantizationType.IQ4_NL
   _set_tensor_type(path, "blk.0.attn_output.weight", iq2)
   _set_tensor_type(path, "blk.0.ffn_up.weight", iq4)
   _set_tensor_type(path, "blk.1.attn_output.weight", iq2)
   expected = (
-      r"gemma3.gguf: GGUF architecture 'gemma3' is not supported \(supported: llama, qwen3\); and 2 tensors"
+      r"gemma2.gguf: GGUF architecture 'gemma2' is not supported \(supported: gemma3, llama, qwen3\); and 2 tensors"
       r" \('blk.0.attn_output.weight', 'blk.1.attn_output.weight'\) have quantization type IQ2_XXS, tensor"
       r" 'blk.0.ffn_up.weight' has quantization type IQ4_NL, which are not supported \(supported: F32, F16, .*,"
       r" Q8_K\)$"

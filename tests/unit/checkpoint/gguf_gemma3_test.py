@@ -13,8 +13,10 @@ from flax import nnx
 
 from maxtext.checkpoint import gguf as gguf_loader
 from maxtext.checkpoint import hf, load_model, load_run_config
+from maxtext.inference.tokenizer import HFTokenizer
 
 gguf = pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
 
 CASE = "gemma3_gguf"
 # Hugging Face names (after `model.layers.{i}.`) -> llama.cpp's gemma3 names (after `blk.{i}.`).
@@ -84,7 +86,18 @@ def write_gemma3(path, state_dict: dict[str, np.ndarray], config, sliding_window
   writer.add_rope_scaling_factor(config.rope_parameters["full_attention"]["factor"])
   if sliding_window:
     writer.add_sliding_window(config.sliding_window)
-  tokens, scores, types = _vocab(config.vocab_size)
+  _add_tokenizer(writer, config.vocab_size)
+  for name, array in state_dict.items():
+    if name == "lm_head.weight":
+      continue  # tied
+    stored = array + np.float32(1.0) if name.endswith("norm.weight") else array
+    writer.add_tensor(_gguf_name(name), np.ascontiguousarray(stored, dtype=np.float32))
+  _finish(writer)
+
+
+def _add_tokenizer(writer, size: int) -> None:
+  """The tokenizer metadata llama.cpp's converter writes for Gemma 3."""
+  tokens, scores, types = _vocab(size)
   writer.add_tokenizer_model("llama")
   writer.add_tokenizer_pre("default")
   writer.add_token_list(tokens)
@@ -98,11 +111,9 @@ def write_gemma3(path, state_dict: dict[str, np.ndarray], config, sliding_window
   writer.add_add_eos_token(False)
   writer.add_add_space_prefix(False)
   writer.add_chat_template(TEMPLATE)
-  for name, array in state_dict.items():
-    if name == "lm_head.weight":
-      continue  # tied
-    stored = array + np.float32(1.0) if name.endswith("norm.weight") else array
-    writer.add_tensor(_gguf_name(name), np.ascontiguousarray(stored, dtype=np.float32))
+
+
+def _finish(writer) -> None:
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
@@ -191,3 +202,72 @@ def test_a_missing_sliding_window_is_named(gemma3_files, tmp_path):
   write_gemma3(path, state, torch_model.config, sliding_window=False)
   with pytest.raises(gguf_loader.GGUFError, match=r"nowindow.gguf: metadata gemma3.attention.sliding_window is missing"):
     gguf_loader.load_gguf_config(path)
+
+
+@pytest.fixture(name="tokenizer_file")
+def fixture_tokenizer_file(tmp_path):
+  """A GGUF file holding only the metadata of a Gemma 3 vocabulary of 320 tokens."""
+  path = tmp_path / "tokenizer.gguf"
+  writer = gguf.GGUFWriter(str(path), "gemma3")
+  _add_tokenizer(writer, 320)
+  _finish(writer)
+  return path
+
+
+def test_the_sentencepiece_vocabulary_encodes_with_byte_fallback_and_whole_control_tokens(tokenizer_file):
+  parts = gguf_loader.load_gguf_tokenizer(tokenizer_file)
+  tokenizer = parts.tokenizer
+  assert tokenizer.encode("hello world", add_special_tokens=False).tokens == ["hello", "▁world"]
+  assert tokenizer.encode(" the", add_special_tokens=False).tokens == ["▁the"]
+  assert tokenizer.encode("hé!", add_special_tokens=False).tokens == ["h", "<0xC3>", "<0xA9>", "!"]
+  assert tokenizer.encode("<start_of_turn>hello<unk>", add_special_tokens=False).tokens == [
+      "<start_of_turn>",
+      "hello",
+      "<unk>",
+  ]
+  assert (parts.bos_token_id, parts.eos_token_id, parts.add_bos_token) == (BOS, EOS, True)
+  assert parts.chat_template == TEMPLATE
+  ours = HFTokenizer.from_gguf(str(tokenizer_file))
+  ids = ours.encode("hello wörld €!", add_bos=True)
+  assert ids[0] == BOS and ours.decode(ids) == "hello wörld €!"
+
+
+def test_sentencepiece_merges_follow_the_vocabulary_order():
+  # "abc" comes before its parts: its splits merge first, the longer left piece first.
+  pieces = ["a", "b", "c", "d", "abc", "ab", "cd", "bc"]
+  merges = gguf_loader._vocabulary_order_merges(pieces)  # pylint: disable=protected-access  # a pure helper
+  assert merges == [("ab", "c"), ("a", "bc"), ("a", "b"), ("c", "d"), ("b", "c")]
+
+
+@pytest.mark.hf
+def test_sentencepiece_merges_are_those_transformers_derives_for_gemma():
+  tokenization_utils_base = pytest.importorskip("transformers.tokenization_utils_base")
+  tokens, _, _ = _vocab(320)
+  pieces = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens] + ["abc", "ab", "bc", "c"]
+  positions = {piece: -i for i, piece in enumerate(pieces)}
+  ref = tokenization_utils_base.generate_merges({p: i for i, p in enumerate(pieces)}, positions)
+  assert gguf_loader._vocabulary_order_merges(pieces) == ref  # pylint: disable=protected-access  # a pure helper
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize(
+    "text",
+    [
+        "hello world",
+        "hello  world",
+        "   the world!  ",
+        " héllo wörld € 日本",
+        "<start_of_turn>user\nhello<end_of_turn>\n",
+        "[unused3] hello\t[unused40]",
+        "<unk> <bos>the",
+    ],
+)
+def test_the_tokenizer_encodes_and_decodes_as_transformers_reads_the_file(gemma3_files, text):
+  transformers = pytest.importorskip("transformers")
+  _, path, _ = gemma3_files
+  ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+  ours = HFTokenizer.from_gguf(str(path))
+  ids = ours.encode(text, add_bos=True)
+  assert ids == ref.encode(text)
+  assert ours.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
+  assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)

@@ -439,10 +439,17 @@ def test_the_gguf_source_supplies_model_keys_tensors_tokenizer_and_template(llam
   assert gguf_file.tokenizer_keys() == {"gguf_model_path": str(path)}
 
 
-def test_an_unsupported_tokenizer_model_is_named(tmp_path):
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        ("t5", r"tokenizer.ggml.model='t5' is not supported \(byte-level BPE 'gpt2', SentencePiece 'llama'\)"),
+        ("llama", r"supported without a space prefix only \(tokenizer.ggml.add_space_prefix=false"),
+    ],
+)
+def test_an_unsupported_tokenizer_model_is_named(tmp_path, model, match):
   path = tmp_path / "spm.gguf"
-  write_model(path, tokenizer_model="llama")
-  with pytest.raises(NotImplementedError, match="tokenizer.ggml.model='llama' is not supported"):
+  write_model(path, tokenizer_model=model)
+  with pytest.raises(NotImplementedError, match=match):
     HFTokenizer.from_gguf(str(path))
 
 

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from maxtext.checkpoint import gguf as gguf_loader
-from maxtext.checkpoint import hf, load_model, load_run_config
+from maxtext.checkpoint import hf, hf_config, load_model, load_run_config
 from maxtext.inference.tokenizer import HFTokenizer
 
 gguf = pytest.importorskip("gguf")
@@ -95,8 +95,8 @@ def write_gemma3(path, state_dict: dict[str, np.ndarray], config, sliding_window
   _finish(writer)
 
 
-def _add_tokenizer(writer, size: int) -> None:
-  """The tokenizer metadata llama.cpp's converter writes for Gemma 3."""
+def _add_tokenizer(writer, size: int, add_bos: bool | None = True) -> None:
+  """The tokenizer metadata llama.cpp's converter writes for Gemma 3 (`add_bos` None: no add_bos_token key)."""
   tokens, scores, types = _vocab(size)
   writer.add_tokenizer_model("llama")
   writer.add_tokenizer_pre("default")
@@ -107,7 +107,8 @@ def _add_tokenizer(writer, size: int) -> None:
   writer.add_eos_token_id(EOS)
   writer.add_unk_token_id(UNK)
   writer.add_pad_token_id(PAD)
-  writer.add_add_bos_token(True)
+  if add_bos is not None:
+    writer.add_add_bos_token(add_bos)
   writer.add_add_eos_token(False)
   writer.add_add_space_prefix(False)
   writer.add_chat_template(TEMPLATE)
@@ -271,3 +272,32 @@ def test_the_tokenizer_encodes_and_decodes_as_transformers_reads_the_file(gemma3
   assert ids == ref.encode(text)
   assert ours.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
   assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    "layers, hidden, heads, key_length, scalar",
+    [(18, 640, 4, 256, 256), (62, 5376, 32, 128, 168)],  # gemma-3-270m; gemma-3-27b scales by hidden / heads
+)
+def test_the_fields_llama_cpp_fixes_for_gemma3(tmp_path, layers, hidden, heads, key_length, scalar):
+  path = tmp_path / "meta.gguf"
+  writer = gguf.GGUFWriter(str(path), "gemma3")
+  writer.add_block_count(layers)
+  writer.add_embedding_length(hidden)
+  writer.add_feed_forward_length(4 * hidden)
+  writer.add_head_count(heads)
+  writer.add_head_count_kv(1)
+  writer.add_key_length(key_length)
+  writer.add_value_length(key_length)
+  writer.add_layer_norm_rms_eps(1e-6)
+  writer.add_rope_freq_base(1e6)
+  writer.add_sliding_window(512)
+  _add_tokenizer(writer, 320, add_bos=None)
+  _finish(writer)
+  file = gguf_loader.GGUFFile(path)
+  config = gguf_loader.gguf_to_hf_config(file)
+  assert config["model_type"] == "gemma3_text" and config["tie_word_embeddings"]
+  assert (config["sliding_window"], config["query_pre_attn_scalar"], config["rope_local_base_freq"]) == (512, scalar, 1e4)
+  overrides = hf_config.hf_config_to_overrides(config)
+  assert overrides["layer_types"] == [("full" if i % 6 == 5 else "sliding") + "_attention" for i in range(layers)]
+  assert (overrides["rope_max_timescale"], overrides["local_rope_max_timescale"]) == (1e6, 1e4)
+  assert gguf_loader.load_gguf_tokenizer(file).add_bos_token  # llama.cpp's default for a SentencePiece vocabulary

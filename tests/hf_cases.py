@@ -112,6 +112,25 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    # What a Gemma 3 GGUF file can describe (llama.cpp fixes 5 sliding : 1 full, the query scale 1/sqrt(head_dim) and
+    # the sliding RoPE base 1e4), with linear RoPE scaling on the full layers and a window of 5.
+    "gemma3_gguf": (
+        "gemma3_text",
+        dict(
+            _COMMON,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=6,
+            layer_types=[SLIDE] * 5 + [FULL],
+            sliding_window=5,
+            query_pre_attn_scalar=32,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    ),
     "gemma3_softcap": (
         "gemma3_text",
         dict(

@@ -1,20 +1,26 @@
 """Load a GGUF file (llama.cpp's format) into this package's config, parameters and tokenizer.
 
-Architectures: those a family declares (`Family.gguf`), `llama` (decoder_block llama2) and `qwen3`. The container
+Architectures (declared by the families, `Family.gguf`): `llama` (decoder_block llama2), `qwen3`, `gemma3`. The container
 (header, metadata, tensor index, block types) is read by `gguf_format`, which maps the file and dequantizes a tensor
 into the weight dtype only when it is read, a chunk at a time (see `SUPPORTED_TENSOR_TYPES`). GGUF's conventions are
 undone on the way in, so the Hugging Face layout code (`hf_layout`) builds the canonical parameters exactly as for
 a safetensors folder:
-  - tensor names (`blk.{i}.attn_q.weight`, `token_embd.weight`, ...) map to the Hugging Face names;
+  - tensor names (`blk.{i}.attn_q.weight`, `token_embd.weight`, ...) map to the Hugging Face names (the shared
+    table, with the architecture's own names: `GGUFMapping.layer_names`; Gemma 3's `ffn_norm` is the norm before
+    the MLP, `post_attention_norm` and `post_ffw_norm` the sandwich norms);
   - dimensions are stored innermost first (a Linear [out, in] is listed as [in, out]); the reader's arrays are in
     row-major order, so a dequantized tensor already has the Hugging Face shape;
   - for `llama` (`GGUFMapping.permuted_rope_rows`), llama.cpp's converter permutes the rows of attn_q / attn_k (per
     head, the two rotary halves are interleaved for its GPT-J style rope); the inverse permutation restores the
     Hugging Face (rotate-half) rows.
-    Qwen3 files use NeoX rope and are stored unpermuted.
-The metadata becomes a Hugging Face style config dict for `hf_config.hf_config_to_overrides`, the vocabulary and
-merges a `tokenizers.Tokenizer` (byte-level BPE, the `gpt2` tokenizer model), and `tokenizer.chat_template` the
-chat template.
+    Qwen3 and Gemma 3 files use NeoX rope and are stored unpermuted;
+  - for `gemma3` (`GGUFMapping.norm_shift`), llama.cpp's converter added 1 to every norm weight (Gemma computes
+    x * (1 + w)); it is subtracted again in float32, before the cast to the weight dtype.
+The metadata becomes a Hugging Face style config dict for `hf_config.hf_config_to_overrides` (with the fields
+the file leaves to llama.cpp's code, `GGUFMapping.config`: Gemma 3's layer pattern, sliding RoPE base and query
+scale), the vocabulary a `tokenizers.Tokenizer` (byte-level BPE from the merges, the `gpt2` tokenizer model; or
+SentencePiece BPE with byte fallback, the `llama` model of Gemma files, whose merges follow the vocabulary order),
+and `tokenizer.chat_template` the chat template.
 
     cfg = load_gguf_config("model.gguf")
     for name, array in iter_gguf_params("model.gguf", cfg): ...
@@ -57,7 +63,8 @@ _SPLITS: dict[str, str | None] = {
     "llama-bpe": _LLAMA3_SPLIT,
     "llama3": _LLAMA3_SPLIT,
 }
-_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's token attributes)
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # tokenizer.ggml.token_type values (llama.cpp's token attributes)
+_SPACE = "\u2581"  # SentencePiece's visible space
 
 # GGUF tensor names (after `blk.{i}.`) -> Hugging Face names (after `model.layers.{i}.`).
 _LAYER_NAMES = {
@@ -137,13 +144,14 @@ class GGUFFile:
     self.tensors: dict[str, GGUFTensor] = {}
     self.unsupported: list[GGUFTensor] = []  # tensors of a type this loader does not read, in file order
     self._raw: dict[str, gguf_format.TensorInfo] = {}
+    arch = self._container.fields.get("general.architecture")
     for tensor in self._container.tensors:
       if not tensor.type_name:
         raise GGUFError(
             f"{self.path}: a tensor has an unknown tensor type (tensor {tensor.name!r}, type id {tensor.type_id});"
             f" this loader reads {', '.join(SUPPORTED_TENSOR_TYPES)}"
         )
-      name = hf_tensor_name(tensor.name)
+      name = hf_tensor_name(tensor.name, arch if isinstance(arch, str) else None)
       self.tensors[name] = GGUFTensor(tensor.name, name, tensor.shape, tensor.type_name)
       self._raw[name] = tensor
       if tensor.type_name not in SUPPORTED_TENSOR_TYPES:  # its byte size is unknown here: no extent check
@@ -235,14 +243,17 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
   return _open_cached(full, stat.st_size, stat.st_mtime_ns)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-  """The Hugging Face name of a GGUF tensor name (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`);
-  names without a counterpart are returned unchanged (and reported as unexpected by the loader)."""
+def hf_tensor_name(gguf_name: str, architecture: str | None = None) -> str:
+  """The Hugging Face name of a GGUF tensor name (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`)
+  in a file of `architecture` (its `GGUFMapping.layer_names` win over the shared table); names without a
+  counterpart are returned unchanged (and reported as unexpected by the loader)."""
   if gguf_name in _GLOBAL_NAMES:
     return _GLOBAL_NAMES[gguf_name]
+  mapping = families.gguf_mapping(architecture) if architecture else None
+  layer_names = _LAYER_NAMES | dict(mapping.layer_names) if mapping is not None else _LAYER_NAMES
   parts = gguf_name.split(".", 2)
-  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+    return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
   return gguf_name
 
 
@@ -309,6 +320,9 @@ def gguf_to_hf_config(file: GGUFFile) -> dict[str, Any]:
     config["rope_scaling"] = {"rope_type": "linear", "factor": float(require("rope.scaling.factor"))}
   elif scaling != "none":
     raise NotImplementedError(f"{file.path}: {arch}.rope.scaling.type={scaling!r} is not supported (none | linear)")
+  mapping = families.gguf_mapping(arch)
+  if mapping.config is not None:
+    config.update(mapping.config(require, config))
   return config
 
 
@@ -378,6 +392,7 @@ def _validate(file: GGUFFile, recipes: list[hf_layout.Recipe]) -> None:
 def _reader(file: GGUFFile, cfg: Any, dtype: np.dtype):
   permute = {}
   mapping = families.gguf_mapping(file.architecture)
+  norm_shift = mapping.norm_shift if mapping is not None else 0.0
   if mapping is not None and mapping.permuted_rope_rows:
     for i in range(cfg.base_num_decoder_layers):
       permute[f"model.layers.{i}.self_attn.q_proj.weight"] = cfg.base_num_query_heads
@@ -386,6 +401,8 @@ def _reader(file: GGUFFile, cfg: Any, dtype: np.dtype):
       permute[f"model.layers.{i}.self_attn.k_proj.bias"] = cfg.base_num_kv_heads
 
   def read(name: str) -> np.ndarray:
+    if norm_shift and name.endswith("norm.weight"):  # small vectors: shifted in float32, then cast
+      return (file.read(name, np.float32) - np.float32(norm_shift)).astype(dtype)
     array = file.read(name, dtype)
     return _unpermute_rope_rows(array, permute[name]) if name in permute else array
 
@@ -464,28 +481,12 @@ def _pre_tokenizer(pre: str, path: str) -> tuple[Any, Any]:
   return (normalizers.NFC() if pre == "qwen2" else None), pre_tokenizers.Sequence(steps)
 
 
-def load_gguf_tokenizer(path: str | os.PathLike | GGUFFile) -> GGUFTokenizerParts:
-  """The tokenizer of a GGUF file, built with the `tokenizers` library from the file's vocabulary and merges.
+def _byte_level_bpe(file: GGUFFile, tokens: list[str]) -> Any:
+  """The byte-level BPE tokenizer (`gpt2` model) of `tokens` and the file's merges and pre-tokenizer."""
+  from tokenizers import Tokenizer, decoders, models  # pylint: disable=import-outside-toplevel  # hf extra
 
-  Only the byte-level BPE tokenizer model (`tokenizer.ggml.model = gpt2`, used by SmolLM, Llama 3 and Qwen) is
-  supported. Tokens typed control or user-defined are added as whole (special resp. normal) tokens.
-
-  Raises:
-    GGUFError: the file has no vocabulary or merges.
-    NotImplementedError: another tokenizer model or pre-tokenizer.
-  """
-  from tokenizers import AddedToken, Tokenizer, decoders, models  # pylint: disable=import-outside-toplevel  # hf extra
-
-  file = path if isinstance(path, GGUFFile) else open_gguf(path)
-  kind = file.field("tokenizer.ggml.model")
-  if kind != "gpt2":
-    raise NotImplementedError(
-        f"{file.path}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, 'gpt2'); give a"
-        " tokenizer.json with tokenizer_path="
-    )
-  tokens = file.field("tokenizer.ggml.tokens")
   merges = file.field("tokenizer.ggml.merges")
-  if not tokens or not merges:
+  if not merges:
     raise GGUFError(f"{file.path}: tokenizer.ggml.tokens and tokenizer.ggml.merges must both be set")
   vocab = {token: i for i, token in enumerate(tokens)}
   pairs = [tuple(merge.split(" ", 1)) for merge in merges]
@@ -495,12 +496,83 @@ def load_gguf_tokenizer(path: str | os.PathLike | GGUFFile) -> GGUFTokenizerPart
     tokenizer.normalizer = normalizer
   tokenizer.pre_tokenizer = pre_tokenizer
   tokenizer.decoder = decoders.ByteLevel()
-  types = file.field("tokenizer.ggml.token_type") or []
-  tokenizer.add_special_tokens(
-      [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+  return tokenizer
+
+
+def _vocabulary_order_merges(pieces: Sequence[str]) -> list[tuple[str, str]]:
+  """Every split of a piece into two pieces of the vocabulary, best first: a piece earlier in the vocabulary merges
+  first (SentencePiece BPE lists pieces in merge order), and of one piece's splits the one with the longer left."""
+  index = {piece: i for i, piece in enumerate(pieces)}
+  merges = []
+  for piece in sorted(index, key=index.__getitem__):
+    for cut in range(len(piece) - 1, 0, -1):
+      if piece[:cut] in index and piece[cut:] in index:
+        merges.append((piece[:cut], piece[cut:]))
+  return merges
+
+
+def _sentencepiece_bpe(file: GGUFFile, tokens: list[str]) -> Any:
+  """The SentencePiece BPE tokenizer (`llama` model) of Gemma files: spaces written as U+2581, no space prefix,
+  merges in vocabulary order (the file has none, and Gemma's scores do not follow its merge order), `<0xNN>` byte
+  pieces for characters outside the vocabulary.
+
+  A piece made only of spaces is stored with real spaces; it is looked up as U+2581s, as the text's spaces are.
+  """
+  from tokenizers import Tokenizer, decoders, models, normalizers  # pylint: disable=import-outside-toplevel  # hf extra
+
+  if file.field("tokenizer.ggml.add_space_prefix", True):
+    raise NotImplementedError(
+        f"{file.path}: a SentencePiece vocabulary (tokenizer.ggml.model='llama') is supported without a space prefix"
+        " only (tokenizer.ggml.add_space_prefix=false, as Gemma files have); give a tokenizer.json with"
+        " tokenizer_path="
+    )
+  pieces = [_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+  unk = file.field("tokenizer.ggml.unknown_token_id")
+  model = models.BPE(
+      vocab={piece: i for i, piece in enumerate(pieces)},
+      merges=_vocabulary_order_merges(pieces),
+      unk_token=None if unk is None else pieces[int(unk)],
+      fuse_unk=True,
+      byte_fallback=True,
   )
-  tokenizer.add_tokens(
-      [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+  tokenizer = Tokenizer(model)
+  tokenizer.normalizer = normalizers.Replace(" ", _SPACE)
+  tokenizer.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+  return tokenizer
+
+
+def load_gguf_tokenizer(path: str | os.PathLike | GGUFFile) -> GGUFTokenizerParts:
+  """The tokenizer of a GGUF file, built with the `tokenizers` library from the file's vocabulary (and merges).
+
+  Tokenizer models: byte-level BPE (`tokenizer.ggml.model = gpt2`, used by SmolLM, Llama 3 and Qwen) and
+  SentencePiece BPE without a space prefix (`llama`, as Gemma files hold it; bos is added by default unless
+  `tokenizer.ggml.add_bos_token` is false, as llama.cpp does). Tokens typed unknown or control are added as whole
+  special tokens, user-defined ones as whole normal tokens (llama.cpp matches all three whole in the text).
+
+  Raises:
+    GGUFError: the file has no vocabulary, or a `gpt2` one no merges.
+    NotImplementedError: another tokenizer model or pre-tokenizer, or a SentencePiece space prefix.
+  """
+  from tokenizers import AddedToken  # pylint: disable=import-outside-toplevel  # hf extra
+
+  file = path if isinstance(path, GGUFFile) else open_gguf(path)
+  kind = file.field("tokenizer.ggml.model")
+  if kind not in ("gpt2", "llama"):
+    raise NotImplementedError(
+        f"{file.path}: tokenizer.ggml.model={kind!r} is not supported (byte-level BPE 'gpt2', SentencePiece"
+        " 'llama'); give a tokenizer.json with tokenizer_path="
+    )
+  tokens = file.field("tokenizer.ggml.tokens")
+  if not tokens:
+    raise GGUFError(f"{file.path}: tokenizer.ggml.tokens must be set")
+  tokenizer = _byte_level_bpe(file, tokens) if kind == "gpt2" else _sentencepiece_bpe(file, tokens)
+  types = file.field("tokenizer.ggml.token_type") or []
+  vocab = tokenizer.get_vocab()
+  tokenizer.add_special_tokens(
+      [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in (_UNKNOWN, _CONTROL)]
+  )
+  tokenizer.add_tokens(  # a SentencePiece run of spaces is looked up respelled (see `_sentencepiece_bpe`)
+      [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab]
   )
 
   def special(kind: str) -> int | None:
@@ -511,6 +583,6 @@ def load_gguf_tokenizer(path: str | os.PathLike | GGUFFile) -> GGUFTokenizerPart
       tokenizer=tokenizer,
       bos_token_id=special("bos"),
       eos_token_id=special("eos"),
-      add_bos_token=bool(file.field("tokenizer.ggml.add_bos_token", False)),
+      add_bos_token=bool(file.field("tokenizer.ggml.add_bos_token", kind == "llama")),
       chat_template=file.field("tokenizer.chat_template"),
   )

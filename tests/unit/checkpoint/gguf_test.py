@@ -348,14 +348,14 @@ def test_streaming_the_weights_checks_the_tensor_types_first(llama_file, tmp_pat
 
 
 def test_an_unsupported_architecture_and_tensor_types_are_one_error_naming_them_all(tmp_path):
-  path = tmp_path / "gemma3.gguf"
-  write_model(path, arch="gemma3")
+  path = tmp_path / "gemma2.gguf"
+  write_model(path, arch="gemma2")
   iq2, iq4 = gguf.GGMLQuantizationType.IQ2_XXS, gguf.GGMLQuantizationType.IQ4_NL
   _set_tensor_type(path, "blk.0.attn_output.weight", iq2)
   _set_tensor_type(path, "blk.0.ffn_up.weight", iq4)
   _set_tensor_type(path, "blk.1.attn_output.weight", iq2)
   expected = (
-      r"gemma3.gguf: GGUF architecture 'gemma3' is not supported \(supported: llama, qwen3\); and 2 tensors"
+      r"gemma2.gguf: GGUF architecture 'gemma2' is not supported \(supported: gemma3, llama, qwen3\); and 2 tensors"
       r" \('blk.0.attn_output.weight', 'blk.1.attn_output.weight'\) have quantization type IQ2_XXS, tensor"
       r" 'blk.0.ffn_up.weight' has quantization type IQ4_NL, which are not supported \(supported: F32, F16, .*,"
       r" Q8_K\)$"
@@ -444,10 +444,17 @@ def test_the_gguf_source_supplies_model_keys_tensors_tokenizer_and_template(llam
   assert gguf_file.tokenizer_keys() == {"gguf_model_path": str(path)}
 
 
-def test_an_unsupported_tokenizer_model_is_named(tmp_path):
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        ("t5", r"tokenizer.ggml.model='t5' is not supported \(byte-level BPE 'gpt2', SentencePiece 'llama'\)"),
+        ("llama", r"supported without a space prefix only \(tokenizer.ggml.add_space_prefix=false"),
+    ],
+)
+def test_an_unsupported_tokenizer_model_is_named(tmp_path, model, match):
   path = tmp_path / "spm.gguf"
-  write_model(path, tokenizer_model="llama")
-  with pytest.raises(NotImplementedError, match="tokenizer.ggml.model='llama' is not supported"):
+  write_model(path, tokenizer_model=model)
+  with pytest.raises(NotImplementedError, match=match):
     HFTokenizer.from_gguf(str(path))
 
 

@@ -119,11 +119,13 @@ def test_owned_kinds_name_their_families():
 
 
 def test_gguf_architectures_come_from_the_families():
-  assert families.gguf_architectures() == ("llama", "qwen3")
+  assert families.gguf_architectures() == ("gemma3", "llama", "qwen3")
   assert families.gguf_mapping("llama").permuted_rope_rows
   assert not families.gguf_mapping("qwen3").permuted_rope_rows
   assert families.gguf_mapping("qwen3").model_type in families.get_family("qwen3").hf.model_types
-  assert families.gguf_mapping("gemma3") is None
+  assert families.gguf_mapping("gemma3").model_type in families.get_family("gemma3").hf.model_types
+  assert families.gguf_mapping("gemma3").norm_shift == 1.0 and not families.gguf_mapping("gemma3").permuted_rope_rows
+  assert families.gguf_mapping("gemma2") is None
 
 
 def test_registry_rejects_two_families_claiming_one_name_or_model_type():

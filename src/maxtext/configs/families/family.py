@@ -21,6 +21,9 @@ FamilyCheck = Callable[[Mapping[str, Any]], None]
 HFLayerTypes = Callable[[HFFields, int], list[str]]
 # overrides(fields, layer_types, hidden_size) -> the family's own config keys (GDN, Mamba2, MoE, multipliers, ...).
 HFOverrides = Callable[[HFFields, list[str], int], dict[str, Any]]
+# config(require, hf_config) -> the Hugging Face config fields a GGUF file of the family leaves to llama.cpp's code;
+# require(key) is the value of metadata `{architecture}.{key}` (an error when absent), hf_config the fields mapped so far.
+GGUFConfig = Callable[[Callable[[str], Any], Mapping[str, Any]], dict[str, Any]]
 
 # The feed-forward layouts of `checkpoint/hf_layout.py` (see `TensorLayout.ffn`).
 FFN_MLP = "mlp"  # `mlp.` dense MLP, or the routed experts on the config's MoE layers
@@ -92,11 +95,19 @@ class GGUFMapping:
     architecture: `general.architecture` of the file.
     model_type: the Hugging Face `model_type` whose config mapping and tensor layout the file reuses.
     permuted_rope_rows: llama.cpp interleaved the two rotary halves of every q/k head's rows (GPT-J style rope).
+    layer_names: GGUF tensor names (after `blk.{i}.`) -> Hugging Face names (after `model.layers.{i}.`) where the
+      architecture differs from the shared table (`checkpoint/gguf.py`).
+    norm_shift: what llama.cpp's converter added to every tensor whose name ends in `norm.weight` (subtracted on
+      load).
+    config: the Hugging Face config fields the file does not store, or None.
   """
 
   architecture: str
   model_type: str
   permuted_rope_rows: bool = False
+  layer_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  norm_shift: float = 0.0
+  config: GGUFConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True)

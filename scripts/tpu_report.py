@@ -110,19 +110,40 @@ class Settings:
   prefill_tokens: int
   block_size: int = 16
 
-  @property
-  def num_blocks(self) -> int:
-    """Blocks for every request at full length in every group (the cache a server of these limits needs), + null."""
-    return self.max_num_seqs * math.ceil(self.max_model_len / self.block_size) + 1
+  def run_config(self, model: str, chips: int):
+    """The run's config: bfloat16, `chips`-way tensor parallelism, these serving limits."""
+    # pylint: disable=import-outside-toplevel
+    from maxtext.checkpoint.model_loader import load_run_config
 
-  def kwargs(self, num_chips: int) -> dict[str, Any]:
+    return load_run_config(
+        model_name=model,
+        dtype="bfloat16",
+        weight_dtype="bfloat16",
+        ici_tensor_parallelism=chips,
+        max_target_length=self.max_model_len,
+        max_num_seqs=self.max_num_seqs,
+        block_size=self.block_size,
+    )
+
+  def num_blocks(self, model: str, chips: int) -> int:
+    """The one pool's blocks for `max_num_seqs` requests at `max_model_len` tokens, each keeping in every attention
+    group what a decoding request keeps there (sliding-window groups only their window's blocks), plus the null
+    block: the cache a server of these limits needs."""
+    # pylint: disable=import-outside-toplevel
+    from maxtext.inference.engine import make_kv_cache_manager
+    from maxtext.inference.kv_cache_capacity import request_blocks
+
+    manager = make_kv_cache_manager(self.run_config(model, chips))
+    return self.max_num_seqs * sum(request_blocks(manager, self.max_model_len).values()) + 1
+
+  def kwargs(self, model: str, chips: int) -> dict[str, Any]:
     """`compile_step`'s keywords."""
     return {
-        "num_chips": num_chips,
+        "num_chips": chips,
         "max_model_len": self.max_model_len,
         "max_num_seqs": self.max_num_seqs,
         "block_size": self.block_size,
-        "num_blocks": self.num_blocks,
+        "num_blocks": self.num_blocks(model, chips),
     }
 
 
@@ -138,7 +159,7 @@ def fit_rows(settings: Settings) -> list[dict[str, Any]]:
     for step in (tc.StepShape("decode", settings.max_num_seqs), tc.StepShape("prefill", settings.prefill_tokens)):
       start = time.perf_counter()
       try:
-        steps[step.name] = tc.compile_step(model, chip, chips, step, **settings.kwargs(chips))
+        steps[step.name] = tc.compile_step(model, chip, chips, step, **settings.kwargs(model, chips))
       except Exception as e:  # pylint: disable=broad-exception-caught  # XLA refuses a program over HBM
         if "RESOURCE_EXHAUSTED" not in str(e):
           raise
@@ -172,9 +193,9 @@ def compare_rows(settings: Settings, chip: str = "v6e", tp: int = 4) -> list[dic
   for model, (family, config_class, values) in HF_CONFIGS.items():
     hf_config = getattr(transformers, config_class).from_dict(values)
     for step in (tc.StepShape("decode", settings.max_num_seqs), tc.StepShape("prefill", settings.prefill_tokens)):
-      ours = tc.compile_step(model, chip, tp, step, **settings.kwargs(4))
+      ours = tc.compile_step(model, chip, tp, step, **settings.kwargs(model, 4))
       with tempfile.TemporaryDirectory() as folder:
-        theirs = tc.compile_upstream_step(family, hf_config, folder, chip, tp, step, **settings.kwargs(4))
+        theirs = tc.compile_upstream_step(family, hf_config, folder, chip, tp, step, **settings.kwargs(model, 4))
       _log(f"compare: {model} {step.name} compiled")
       for who, result in (("maxtext", ours), ("tpu-inference", theirs)):
         collectives = result.collectives()
@@ -222,6 +243,22 @@ def _weight_bytes_read(model: str, chip: str, chips: int, batch: int) -> float:
   return total
 
 
+def _kv_bytes_read(settings: Settings, model: str, chips: int, batch: int, context: int) -> float:
+  """KV-cache bytes one chip reads in a decode step: every attention layer's keys and values of each request's
+  `context` tokens, a sliding-window layer only its window's."""
+  # pylint: disable=import-outside-toplevel
+  from maxtext.integration.vllm import kv_cache_spec
+
+  cfg = settings.run_config(model, chips)
+  total = 0.0
+  for spec in kv_cache_spec.get_kv_cache_specs(cfg).values():
+    if getattr(spec, "cache_kind", None) != "attention":
+      continue
+    tokens = min(context, spec.sliding_window or context)
+    total += tokens * spec.page_size_bytes() / spec.block_size
+  return batch * total / chips
+
+
 def roofline_rows(settings: Settings, context: int, batches=(1, 64)) -> list[dict[str, Any]]:
   """Projected decode tokens/s per chip: step time = max(flops / peak, bytes / bandwidth) per chip."""
   rows = []
@@ -229,8 +266,14 @@ def roofline_rows(settings: Settings, context: int, batches=(1, 64)) -> list[dic
     spec = tc.CHIPS[chip]
     for batch in batches:
       step = tc.StepShape("decode", max(16, batch))
-      result = tc.compile_step(model, chip, chips, step, **settings.kwargs(chips))
-      kv_read = result.cache_bytes / settings.num_blocks / settings.block_size * context * batch  # per chip
+      try:
+        result = tc.compile_step(model, chip, chips, step, **settings.kwargs(model, chips))
+      except Exception as e:  # pylint: disable=broad-exception-caught  # XLA refuses a program over HBM
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        _log(f"roofline: {model} on {chips} x {chip} does not fit: skipped")
+        break
+      kv_read = _kv_bytes_read(settings, model, chips, batch, context)
       weights = _weight_bytes_read(model, chip, chips, batch)
       flops = result.flops  # per chip; the Pallas attention is opaque to XLA's count and small at decode
       seconds = max(flops / spec.bf16_flops, (weights + kv_read) / spec.hbm_bandwidth)

@@ -78,6 +78,7 @@ _POSITIVE = (
     "rope_original_max_position_embeddings",
 )
 _NON_NEGATIVE = (
+    "greedy_head_candidates",
     "num_kv_blocks",
     "kv_cache_memory_bytes",
     "sliding_window_size",
@@ -166,6 +167,12 @@ def validate(values: Mapping[str, Any]) -> None:
   for key in _POSITIVE:
     if values[key] <= 0:
       raise _fail(key, values[key], "must be > 0")
+  if values["greedy_head_candidates"] > values["vocab_size"]:
+    raise _fail(
+        "greedy_head_candidates",
+        values["greedy_head_candidates"],
+        f"must be at most vocab_size ({values['vocab_size']}): the candidates are tokens of the vocabulary",
+    )
   for key in _NON_NEGATIVE:
     if values[key] < 0:
       raise _fail(key, values[key], "must be >= 0")

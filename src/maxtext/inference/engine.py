@@ -243,8 +243,7 @@ class LLMEngine:
       return merged(leaves).compute_logits(hidden[logits_indices])
 
     def greedy(leaves, hidden, logits_indices):
-      rows = logits(leaves, hidden, logits_indices)
-      return greedy_token_ids(rows), jnp.all(jnp.isfinite(rows), axis=-1)
+      return merged(leaves).greedy_token_ids(hidden[logits_indices])
 
     def step_greedy(
         leaves,
@@ -744,26 +743,6 @@ def sampling_logits_indices(
   indices = np.full((size,), batch.logits_indices[rows[0]], np.int32)
   indices[: len(rows)] = batch.logits_indices[rows]
   return indices
-
-
-def greedy_token_ids(logits: jax.Array) -> jax.Array:
-  """The first index of each row's maximum (`argmax` for rows of finite values), as int32, traced.
-
-  Two plain reductions (the row maximum, then the smallest index holding it) instead of `argmax`'s paired
-  value-index reduction, which XLA's CPU backend runs far slower over a vocabulary-wide row. A row holding NaN
-  gets the out-of-range index `V` (its maximum is NaN, which equals nothing); callers reject such rows first
-  (`check_finite_rows`).
-
-  Args:
-    logits: `[rows, V]` floating point.
-
-  Returns:
-    `[rows]` int32.
-  """
-  row_max = jnp.max(logits, axis=-1, keepdims=True)
-  vocab = logits.shape[-1]
-  index = jnp.arange(vocab, dtype=jnp.int32)
-  return jnp.min(jnp.where(logits == row_max, index, vocab), axis=-1)
 
 
 def check_finite_rows(finite: np.ndarray) -> None:

@@ -75,6 +75,13 @@ class HeadCopyable(Protocol):
   def drop_head_copy(self) -> None:
     """Removes the copy: the head reads the table again."""
 
+  def add_coarse_copy(self, layout: str, convert: Callable[[Any, jnp.dtype], Any], candidates: int) -> int:
+    """Gives the head a coarse copy `convert(table^T as [D, V], compute dtype)` (None: no copy), tagged `layout`, that
+    nominates `candidates` tokens of a greedy pick; returns its bytes."""
+
+  def drop_coarse_copy(self) -> None:
+    """Removes the coarse copy: a greedy pick reads the whole head again."""
+
 
 class KernelBackend(abc.ABC):
   """The ops of the paged path; a backend implements all four. `mesh` is the device mesh (or None).
@@ -92,12 +99,18 @@ class KernelBackend(abc.ABC):
     """Reads this backend's options from the run config `cfg` (the plain backends have none).
 
     Raises:
-      ConfigError: `cfg` sets `quantization`, which only the `cpu` backend's kernels read.
+      ConfigError: `cfg` sets `quantization` or `greedy_head_candidates`, which only the `cpu` backend's kernels
+        read.
     """
     if cfg.get("quantization", ""):
       raise ConfigError(
           f"quantization={cfg.quantization!r} needs kernel_backend=cpu (its kernels read int8 weights);"
           f" kernel_backend={self.name} reads the weights in weight_dtype: leave quantization empty"
+      )
+    if cfg.get("greedy_head_candidates", 0):
+      raise ConfigError(
+          f"greedy_head_candidates={cfg.greedy_head_candidates} needs kernel_backend=cpu (its kernels read the"
+          f" head's int4 copy); kernel_backend={self.name} reads the whole head: set greedy_head_candidates=0"
       )
 
   def project(

@@ -11,7 +11,7 @@ from flax import nnx
 
 from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.kernels.backend import KernelBackend, default_backend
-from maxtext.layers.embeddings import Embed
+from maxtext.layers.embeddings import Embed, greedy_token_ids
 from maxtext.layers.initializers import ShapeOnlyRngs
 from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.normalizations import RMSNorm
@@ -139,12 +139,29 @@ class Transformer(nnx.Module):
       logits = self.embedder.attend(hidden, backend)
     else:
       logits = self.lm_head(hidden, backend)
+    return self._finish_logits(logits)
+
+  def _finish_logits(self, logits: jax.Array) -> jax.Array:
+    """`logits_scaling` and the final soft cap, on the head's raw products."""
     if self.logits_scaling != 1.0:
       logits = logits / jnp.asarray(self.logits_scaling, logits.dtype)
     if self.final_logits_soft_cap > 0:
       cap = self.final_logits_soft_cap
       logits = jnp.tanh(logits / cap) * cap
     return logits
+
+  def greedy_token_ids(self, hidden: jax.Array, backend: KernelBackend | None = None) -> tuple[jax.Array, jax.Array]:
+    """The greedy pick of each row, `[R, D]` -> `[R]` int32 token ids, and `[R]` whether its logits are all finite.
+
+    With a coarse copy of a tied head (`Embed.add_coarse_copy`), the pick is the best of the candidates it
+    nominates, by their logits from the table (`Embed.candidates`); otherwise the first maximum of every logit.
+    """
+    if self.lm_head is None and self.embedder.coarse is not None:
+      ids, raw, coarse_finite = self.embedder.candidates(hidden, backend)
+      logits = self._finish_logits(raw)  # [R, K]
+      return greedy_token_ids(logits, ids), coarse_finite & jnp.all(jnp.isfinite(logits), axis=-1)
+    logits = self.compute_logits(hidden, backend)
+    return greedy_token_ids(logits), jnp.all(jnp.isfinite(logits), axis=-1)
 
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
       self, tokens: jax.Array, positions: jax.Array | None = None, *, gdn_chunked: bool = True

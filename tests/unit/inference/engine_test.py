@@ -15,7 +15,8 @@ from maxtext.checkpoint import save_params
 from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.inference import engine as engine_module
-from maxtext.inference.engine import LLMEngine, check_finite_rows, greedy_token_ids, sampling_logits_indices
+from maxtext.inference.engine import LLMEngine, check_finite_rows, sampling_logits_indices
+from maxtext.layers.embeddings import greedy_token_ids
 from maxtext.kernels.cpu import cpu_attention, cpu_gemm, huge_pages
 from maxtext.kernels.cpu.backend import PANELS
 from maxtext.configs.errors import ConfigError

@@ -306,6 +306,11 @@ class MaxTextForCausalLM(nnx.Module):
     """Logits `[R, V]` of hidden states `[R, D]` (already gathered at each request's last token)."""
     return self.model.compute_logits(hidden_states, self.backend)
 
+  def greedy_token_ids(self, hidden_states: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The greedy pick `[R]` int32 of hidden states `[R, D]`, and `[R]` whether each row's logits are finite
+    (`Transformer.greedy_token_ids`: through a coarse head's candidates when the backend gave it one)."""
+    return self.model.greedy_token_ids(hidden_states, self.backend)
+
   def embed_input_ids(self, input_ids: jax.Array) -> jax.Array:
     """Token embeddings `[T, D]` of `input_ids` `[T]`."""
     return self.model.embed(input_ids)

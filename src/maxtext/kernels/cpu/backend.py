@@ -31,6 +31,7 @@ from maxtext.kernels.ragged_paged_attention import write_kv
 
 PANELS = "panels"  # the layout name of a kernel in column panels (`cpu_gemm.to_panels`)
 PANELS_INT8 = "panels_int8"  # weight-only int8 column panels (`cpu_gemm.to_int8_panels`, `quantization=int8w`)
+PANELS_INT4 = "panels_int4"  # int4 column panels (`cpu_gemm.to_int4_panels`): a tied head's coarse copy
 INT8W = "int8w"  # the `quantization` value of weight-only int8
 
 
@@ -66,6 +67,15 @@ def to_int8_head(flat: Any, dtype: jnp.dtype) -> Any:
   if flat.shape[0] % cpu_gemm.PANEL or flat.shape[1] % cpu_gemm.PANEL or not _kernel_reads(flat, dtype):
     return None
   return cpu_gemm.to_int8_panels(flat)
+
+
+def to_int4_head(flat: Any, dtype: jnp.dtype) -> Any:
+  """A tied head's `[D, V]` table as int4 column panels, its coarse copy (`greedy_head_candidates`), or None when they
+  do not serve it (as `to_int8_head`, or the library reads int8 panels without the integer dot products that int4
+  panels need, `cpu_gemm.int8_dot_reason`). Takes a `jax.ShapeDtypeStruct` too."""
+  if cpu_gemm.int8_dot_reason() is not None or to_int8_head(jax.ShapeDtypeStruct(flat.shape, flat.dtype), dtype) is None:
+    return None
+  return cpu_gemm.to_int4_panels(flat)
 
 
 def kernel_state_slots(  # pylint: disable=too-many-positional-arguments
@@ -106,12 +116,15 @@ class CpuBackend(ReferenceBackend):
     self.weight_panels = True
     self.huge_pages = True
     self.int8_weights = False
+    self.greedy_head_candidates = 0
 
   def configure(self, cfg: Any) -> None:
-    """Reads `cpu_weight_panels`, `huge_page_weights` and `quantization` from the run config."""
+    """Reads `cpu_weight_panels`, `huge_page_weights`, `quantization` and `greedy_head_candidates` from the run
+    config."""
     self.weight_panels = bool(cfg.cpu_weight_panels)
     self.huge_pages = bool(cfg.huge_page_weights)
     self.int8_weights = cfg.get("quantization", "") == INT8W
+    self.greedy_head_candidates = int(cfg.get("greedy_head_candidates", 0))
 
   def project(
       self,
@@ -129,14 +142,14 @@ class CpuBackend(ReferenceBackend):
     kernel as it is stored (a weight-only bfloat16 model reads half the bytes; the sums are float32). The others
     are XLA dots in `dtype` (a kernel in panels outside the kernel's reach is copied out of them for its dot)."""
     for i, layout in enumerate(layouts):
-      if layout not in (None, PANELS, PANELS_INT8):
+      if layout not in (None, PANELS, PANELS_INT8, PANELS_INT4):
         raise ValueError(f"kernel_backend={CPU}: kernels[{i}] is in the unknown layout {layout!r}")
     x = x.astype(dtype)
     batch_shape, in_shape = x.shape[: x.ndim - num_in_axes], x.shape[x.ndim - num_in_axes :]
     rows, size_in = math.prod(batch_shape), math.prod(in_shape)
     dtypes = (x.dtype, *(kernel.dtype for kernel in kernels))
     small, any_rows = cpu_gemm.applies(rows, *dtypes), cpu_gemm.applies_panels(rows, *dtypes)
-    in_panels = [layout in (PANELS, PANELS_INT8) for layout in layouts]
+    in_panels = [layout in (PANELS, PANELS_INT8, PANELS_INT4) for layout in layouts]
     on_kernel = [i for i, panels in enumerate(in_panels) if small or (panels and any_rows)]
     ys: list[jax.Array | None] = [None] * len(kernels)
     if on_kernel:
@@ -149,7 +162,9 @@ class CpuBackend(ReferenceBackend):
     for i, kernel in enumerate(kernels):
       if ys[i] is None:
         if in_panels[i]:
-          unpack = cpu_gemm.from_int8_panels if layouts[i] == PANELS_INT8 else cpu_gemm.from_panels
+          unpack = {PANELS_INT8: cpu_gemm.from_int8_panels, PANELS_INT4: cpu_gemm.from_int4_panels}.get(
+              layouts[i], cpu_gemm.from_panels
+          )
           kernel = unpack(kernel).reshape(in_shape + tuple(out_shapes[i]))
         ys[i] = jax.lax.dot_general(x, kernel.astype(dtype), contract)
     return tuple(y if bias is None else y + bias.astype(dtype) for y, bias in zip(ys, biases))
@@ -167,14 +182,17 @@ class CpuBackend(ReferenceBackend):
     """With `cpu_weight_panels` and the kernel loaded, every float32 or bfloat16 dense kernel of a float32 layer that
     panels serve (`to_panels`) goes into column panels, in place (an abstract model too); with
     `quantization=int8w`, into int8 panels where they serve (`to_int8_panels`), and a tied head gets an int8 panel
-    copy of its table (the head reads all of it every step; the lookups keep the table). Returns the bytes now in a
-    layout."""
+    copy of its table (the head reads all of it every step; the lookups keep the table). With
+    `greedy_head_candidates`, a tied head gets an int4 panel copy that nominates that many candidates of a greedy
+    pick (`to_int4_head`, `Embed.candidates`). Returns the bytes now in a layout."""
     if not self.weight_panels or not cpu_gemm.load():
       return 0
     total = 0
     for _, layer in nnx.iter_modules(model):
       if self.int8_weights and isinstance(layer, HeadCopyable):
         total += layer.add_head_copy(PANELS_INT8, to_int8_head)
+      if self.greedy_head_candidates and isinstance(layer, HeadCopyable):
+        total += layer.add_coarse_copy(PANELS_INT4, to_int4_head, self.greedy_head_candidates)
       if not isinstance(layer, Relayable):
         continue
       if self.int8_weights and getattr(layer, "layout", None) in (None, PANELS_INT8):
@@ -189,6 +207,7 @@ class CpuBackend(ReferenceBackend):
     for _, layer in nnx.iter_modules(model):
       if isinstance(layer, HeadCopyable):
         layer.drop_head_copy()
+        layer.drop_coarse_copy()
       layout = getattr(layer, "layout", None) if isinstance(layer, Relayable) else None
       if layout == PANELS:
         layer.restore_layout(cpu_gemm.from_panels)

@@ -71,6 +71,10 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # packed per block as its PANEL x PANEL int8 weights (row by row) and then its PANEL scales: INT8_BLOCK bytes.
 INT8_BLOCK = PANEL * PANEL + 4 * PANEL
 INT8_CHUNK_VALUES = 1 << 20  # weights `to_int8_panels` quantizes at a time (whole panels, at least one)
+# Int4 panels (`to_int4_panels`): the same blocks, their weights as nibbles (PANEL * PANEL / 2 bytes) and then PANEL
+# float16 scales: INT4_BLOCK bytes. Only a library with the integer dot products reads them (`int8_dot_reason`).
+INT4_BLOCK = PANEL * PANEL // 2 + 2 * PANEL
+INT4_LEVELS = 7  # |q| <= 7: a block's largest magnitude is 7 scale steps
 # Every dtype a weight reaches the NN kernel in: uint8 only as int8 panels.
 KERNEL_DTYPES = WEIGHT_DTYPES + (jnp.dtype(jnp.uint8),)
 TARGETS = {
@@ -368,8 +372,73 @@ def from_int8_panels(panels: Any) -> Any:
   return w.transpose(1, 2, 0, 3).reshape(blocks * PANEL, count * PANEL)
 
 
+def to_int4_panels(w: Any) -> Any:
+  """`w [K, N]` (float32 or bfloat16) as int4 column panels, uint8 `[N / PANEL, K / PANEL, INT4_BLOCK]`: a coarse
+  copy, read only where the library has the integer dot products (`int8_dot_reason() is None`).
+
+  The blocks are those of `to_int8_panels`: each column's scale is the block's largest magnitude in it over
+  `INT4_LEVELS`, stored as float16 (a scale that rounds to 0 there makes its column's weights 0), and each weight is
+  rounded to the nearest multiple of that float16 scale, q in [-7, 7], stored as the nibble q + 8. Group g of the
+  block's rows 4g..4g+3 takes 64 bytes: byte i holds byte i of rows 4g and 4g+1 (row 4g's 32 columns, then row
+  4g+1's) in its low nibble and byte i of rows 4g+2 and 4g+3 in its high one. Then the 32 float16 scales. Works on a
+  `jax.ShapeDtypeStruct` (the shape only) and on concrete arrays (NumPy, a few panels at a time).
+
+  Raises:
+    ValueError: `w` is not 2-D with K and N multiples of `PANEL`.
+  """
+  if len(w.shape) != 2 or w.shape[0] % PANEL or w.shape[1] % PANEL:
+    raise ValueError(f"int4 panels take a 2-D [K, N] weight with K and N multiples of {PANEL}, got shape {w.shape}")
+  k, n = w.shape
+  if isinstance(w, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((n // PANEL, k // PANEL, INT4_BLOCK), jnp.uint8)
+  w = np.asarray(w)
+  packed = np.empty((n // PANEL, k // PANEL, INT4_BLOCK), np.uint8)
+  step = max(1, INT8_CHUNK_VALUES // (k * PANEL))  # panels per chunk
+  for first in range(0, n // PANEL, step):
+    columns = w[:, first * PANEL : (first + step) * PANEL]
+    count = columns.shape[1] // PANEL
+    blocks = (
+        np.asarray(columns, np.float32).reshape(k // PANEL, PANEL, count, PANEL).transpose(2, 0, 1, 3)
+    )  # [T, B, k, c]
+    scale = (np.max(np.abs(blocks), axis=2) / INT4_LEVELS).astype(np.float16)  # [T, B, c]
+    wide = scale.astype(np.float32)[:, :, None, :]
+    q = np.where(wide > 0, np.rint(blocks / np.where(wide > 0, wide, 1)), 0)
+    nibbles = (np.clip(q, -INT4_LEVELS, INT4_LEVELS) + 8).astype(np.uint8).reshape(count, k // PANEL, 8, 4, PANEL)
+    low = nibbles[:, :, :, :2].reshape(count, k // PANEL, 8 * 2 * PANEL)  # rows 4g, 4g+1 of every group
+    high = nibbles[:, :, :, 2:].reshape(count, k // PANEL, 8 * 2 * PANEL)  # rows 4g+2, 4g+3
+    chunk = packed[first : first + count]
+    chunk[..., : PANEL * PANEL // 2] = low | (high << 4)
+    chunk[..., PANEL * PANEL // 2 :] = np.ascontiguousarray(scale).view(np.uint8)
+  return jax.device_put(packed)
+
+
+def from_int4_panels(panels: Any) -> Any:
+  """The float32 `[K, N]` weight int4 panels hold (`to_int4_panels`' dequantized inverse: each weight times its
+  float16 scale). NumPy for a concrete array, XLA when traced.
+
+  Raises:
+    ValueError: `panels` is not uint8 `[N / PANEL, K / PANEL, INT4_BLOCK]`.
+  """
+  if panels.ndim != 3 or panels.shape[2] != INT4_BLOCK or panels.dtype != jnp.uint8:
+    raise ValueError(f"int4 panels are uint8 [N / {PANEL}, K / {PANEL}, {INT4_BLOCK}], got {panels.dtype} {panels.shape}")
+  count, blocks, _ = panels.shape
+  traced = isinstance(panels, jax.core.Tracer)
+  xp = jnp if traced else np
+  panels = panels if traced else np.asarray(panels)
+  packed = panels[..., : PANEL * PANEL // 2].reshape(count, blocks, 8, 1, 2 * PANEL)
+  nibbles = xp.concatenate([packed & 0x0F, packed >> 4], axis=3)  # [T, B, g, 2, 64]: rows 4g..4g+1, 4g+2..4g+3
+  q = nibbles.reshape(count, blocks, PANEL, PANEL).astype(np.float32) - 8  # [T, B, k, c]
+  raw = panels[..., PANEL * PANEL // 2 :]
+  if traced:
+    scale = jax.lax.bitcast_convert_type(raw.reshape(count, blocks, PANEL, 2), jnp.float16)
+  else:
+    scale = np.ascontiguousarray(raw).view(np.float16)
+  w = q * scale.astype(np.float32).reshape(count, blocks, 1, PANEL)
+  return w.transpose(1, 2, 0, 3).reshape(blocks * PANEL, count * PANEL)
+
+
 def is_int8_panels(w: Any) -> bool:
-  """Whether `w` is in int8 panels (a 3-D uint8 array; `to_int8_panels`)."""
+  """Whether `w` is in int8 or int4 panels (a 3-D uint8 array; `to_int8_panels`, `to_int4_panels`)."""
   return len(w.shape) == 3 and jnp.dtype(w.dtype) == jnp.uint8
 
 
@@ -394,8 +463,12 @@ def _call(kind: str, x: jax.Array, w: jax.Array) -> jax.Array:
 def _check(kind: str, x: jax.Array, w: jax.Array) -> None:
   panels = kind == "nn" and w.ndim == 3
   if panels and is_int8_panels(w):
-    if w.shape[2] != INT8_BLOCK:
-      raise ValueError(f"int8 panels are uint8 [N / {PANEL}, K / {PANEL}, {INT8_BLOCK}], got {w.shape}")
+    if w.shape[2] == INT4_BLOCK and int8_dot_reason() is not None:
+      raise ValueError(f"int4 panels need the integer dot products, and {int8_dot_reason()}")
+    if w.shape[2] not in (INT8_BLOCK, INT4_BLOCK):
+      raise ValueError(
+          f"int8 (int4) panels are uint8 [N / {PANEL}, K / {PANEL}, {INT8_BLOCK} ({INT4_BLOCK})], got {w.shape}"
+      )
     if x.ndim != 2 or x.shape[0] < 1 or x.shape[1] != w.shape[1] * PANEL:
       raise ValueError(f"small-batch matmul: x {x.shape} does not match int8 panels {w.shape} (K = {PANEL} * axis 1)")
     if x.dtype != jnp.float32:

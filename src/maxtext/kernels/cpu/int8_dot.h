@@ -185,6 +185,69 @@ inline void Int8DotPanel(const QuantizedRows& x, int64_t m, const uint8_t* panel
   }
 }
 
+// Int4 column panels (`cpu_gemm.to_int4_panels`: the coarse copy of a tied head that nominates a greedy step's
+// candidates) by the same integer dot products. A block holds its kPanel x kPanel weights as unsigned nibbles
+// u = q + 8 (q in [-8, 7]), group g of four rows in 64 bytes: byte i holds byte i of rows 4g, 4g+1 (as int8 panels
+// lay them out) in its low nibble and byte i of rows 4g+2, 4g+3 in its high one; then the kPanel float16 scales of
+// its columns. Unpacking a group gives the two 64-byte row pairs of an int8 block, unsigned already, so the sums
+// take 8 S where the int8 ones take 128 S.
+template <int R>
+void Int4DotPanelRows(const QuantizedRows& x, int64_t row0, const uint8_t* panel, int64_t blocks, int64_t block_bytes,
+                      float* y, int64_t n_size) {
+  const __m512i index0 = InterleaveIndex(0), index1 = InterleaveIndex(1);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = panel + b * block_bytes;
+    __m512i hi[R][2], lo[R][2];
+    for (int r = 0; r < R; ++r) hi[r][0] = hi[r][1] = lo[r][0] = lo[r][1] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) {
+      const __m512i packed = _mm512_loadu_si512(block + g * 64);
+      const __m512i rows01 = _mm512_and_si512(packed, nibble);
+      const __m512i rows23 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      const __m512i w0 = _mm512_permutex2var_epi8(rows01, index0, rows23);
+      const __m512i w1 = _mm512_permutex2var_epi8(rows01, index1, rows23);
+      const int64_t at = b * kQuantBlock + 4 * g;
+      for (int r = 0; r < R; ++r) {
+        const __m512i xh = Four(x.hi(row0 + r), at), xl = Four(x.lo(row0 + r), at);
+        hi[r][0] = _mm512_dpbusd_epi32(hi[r][0], w0, xh);
+        hi[r][1] = _mm512_dpbusd_epi32(hi[r][1], w1, xh);
+        lo[r][0] = _mm512_dpbusd_epi32(lo[r][0], w0, xl);
+        lo[r][1] = _mm512_dpbusd_epi32(lo[r][1], w1, xl);
+      }
+    }
+    const __m256i* wscale = reinterpret_cast<const __m256i*>(block + 8 * 64);
+    const __m512 scale[2] = {_mm512_cvtph_ps(_mm256_loadu_si256(wscale)), _mm512_cvtph_ps(_mm256_loadu_si256(wscale + 1))};
+    for (int r = 0; r < R; ++r) {
+      const __m512i offset = _mm512_set1_epi32(8 * x.sum(row0 + r)[b]);
+      const __m512 xscale = _mm512_set1_ps(x.scale(row0 + r)[b]);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[r][h], 8), lo[r][h]), offset);
+        total[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale[h], xscale), total[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(y + r * n_size, total[r][0]);
+    _mm512_storeu_ps(y + r * n_size + 16, total[r][1]);
+  }
+}
+
+// All m rows of rounded x by one int4 column panel, four rows at a time.
+inline void Int4DotPanel(const QuantizedRows& x, int64_t m, const uint8_t* panel, int64_t blocks, int64_t block_bytes,
+                         float* y, int64_t n_size) {
+  int64_t row = 0;
+  for (; row + 4 <= m; row += 4) Int4DotPanelRows<4>(x, row, panel, blocks, block_bytes, y + row * n_size, n_size);
+  float* yr = y + row * n_size;
+  switch (m - row) {
+    case 3: Int4DotPanelRows<3>(x, row, panel, blocks, block_bytes, yr, n_size); break;
+    case 2: Int4DotPanelRows<2>(x, row, panel, blocks, block_bytes, yr, n_size); break;
+    case 1: Int4DotPanelRows<1>(x, row, panel, blocks, block_bytes, yr, n_size); break;
+    default: break;
+  }
+}
+
 #else
 
 class QuantizedRows;  // the pointers small_gemm.cc keeps stay null

@@ -56,6 +56,7 @@ using maxtext_cpu::NNStore;
 using maxtext_cpu::ParallelChunks;
 using maxtext_cpu::QuantizedRows;
 #if MAXTEXT_INT8_DOT
+using maxtext_cpu::Int4DotPanel;
 using maxtext_cpu::Int8DotPanel;
 #endif
 using maxtext_cpu::RowAccumulate;
@@ -83,6 +84,9 @@ constexpr int64_t kPanelTaskBytes = 256 * 1024;
 // followed by the kPanel float32 scales of its columns: w[k][c] = q[k][c] * scale[c].
 constexpr int64_t kInt8Weights = kPanel * kPanel;
 constexpr int64_t kInt8Block = kInt8Weights + kPanel * sizeof(float);
+// Int4 column panels (`cpu_gemm.to_int4_panels`, int8_dot.h): the same panels and blocks, each block its weights as
+// nibbles and then kPanel float16 scales. Read only with the integer dot products (MAXTEXT_INT8_DOT).
+constexpr int64_t kInt4Block = kInt8Weights / 2 + kPanel * 2;
 
 // The rows [0, K) of w cut into `count` slices of whole rows (up to kMaxSlices, of at least kRowsPerSlice rows
 // each, a multiple of 8 rows but the last): slice c is rows [begin(c), end(c)).
@@ -495,9 +499,9 @@ class NNProduct : public ProductTasks {
 class Int8PanelProduct : public ProductTasks {
  public:
   Int8PanelProduct(const float* x, const AlignedRows* xt, const QuantizedRows* xq, int64_t m, int64_t k, int64_t n,
-                   const uint8_t* w, float* y)
-      : x_(x), xt_(xt), xq_(xq), m_(m), k_(k), n_(n), w_(w), y_(y) {
-    const int64_t count = n / kPanel, panel_bytes = k / kPanel * kInt8Block;
+                   const uint8_t* w, float* y, int64_t block_bytes = kInt8Block)
+      : x_(x), xt_(xt), xq_(xq), m_(m), k_(k), n_(n), w_(w), y_(y), block_bytes_(block_bytes) {
+    const int64_t count = n / kPanel, panel_bytes = k / kPanel * block_bytes;
     width_ = std::clamp<int64_t>(kPanelTaskBytes / panel_bytes, 1, std::max<int64_t>(1, count / 2));
     tasks_ = (count + width_ - 1) / width_;
   }
@@ -510,9 +514,13 @@ class Int8PanelProduct : public ProductTasks {
     const int64_t blocks = k_ / kPanel, end = std::min(n_ / kPanel, (c + 1) * width_);
     std::vector<float> dequantized(m_ == 1 || xq_ != nullptr ? 0 : k_ * kPanel);
     for (int64_t t = c * width_; t < end; ++t) {
-      const uint8_t* panel = w_ + t * blocks * kInt8Block;
+      const uint8_t* panel = w_ + t * blocks * block_bytes_;
 #if MAXTEXT_INT8_DOT
-      Int8DotPanel(*xq_, m_, panel, blocks, kInt8Block, y_ + t * kPanel, n_);
+      if (block_bytes_ == kInt4Block) {
+        Int4DotPanel(*xq_, m_, panel, blocks, kInt4Block, y_ + t * kPanel, n_);
+      } else {
+        Int8DotPanel(*xq_, m_, panel, blocks, kInt8Block, y_ + t * kPanel, n_);
+      }
       continue;
 #endif
       if (m_ == 1) {
@@ -539,6 +547,7 @@ class Int8PanelProduct : public ProductTasks {
   int64_t m_, k_, n_;
   const uint8_t* w_;
   float* y_;
+  int64_t block_bytes_;  // kInt8Block, or kInt4Block (int4 panels: only with MAXTEXT_INT8_DOT)
   int64_t tasks_ = 0, width_ = 0;  // width_: panels per task
 };
 
@@ -549,15 +558,18 @@ struct SharedX {
   std::shared_ptr<QuantizedRows> xq;
 };
 
-// Checks an NN product with w in int8 column panels (uint8 [N / kPanel, K / kPanel, kInt8Block]) and makes it.
+// Checks an NN product with w in int8 column panels (uint8 [N / kPanel, K / kPanel, kInt8Block]) or, where the
+// build has the integer dot products, int4 column panels ([..., kInt4Block]) and makes it.
 ffi::Error MakeInt8Product(ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& w, ffi::ResultBuffer<ffi::F32>& y,
                            SharedX* shared, std::unique_ptr<ProductTasks>* product) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto yd = y->dimensions();
-  if (xd.size() != 2 || yd.size() != 2 || wd.size() != 3 || wd[2] != kInt8Block) {
+  const bool int4 = wd.size() == 3 && wd[2] == kInt4Block && MAXTEXT_INT8_DOT;
+  if (xd.size() != 2 || yd.size() != 2 || wd.size() != 3 || (wd[2] != kInt8Block && !int4)) {
     return ffi::Error::InvalidArgument(
-        "small_gemm: x and y must be 2-D and uint8 w int8 column panels [N / 32, K / 32, 1152]");
+        "small_gemm: x and y must be 2-D and uint8 w int8 column panels [N / 32, K / 32, 1152] (or, with the"
+        " integer dot products, int4 column panels [N / 32, K / 32, 576])");
   }
   const int64_t m = xd[0], k = xd[1], n = wd[0] * kPanel;
   if (m < 1 || wd[1] * kPanel != k || yd[0] != m || yd[1] != n) {
@@ -569,7 +581,8 @@ ffi::Error MakeInt8Product(ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& w, ff
   if (m > 1 && m <= kLanes && shared->xt == nullptr) shared->xt = std::make_shared<AlignedRows>(x.typed_data(), m, k);
 #endif
   *product = std::make_unique<Int8PanelProduct>(x.typed_data(), shared->xt.get(), shared->xq.get(), m, k, n,
-                                                static_cast<const uint8_t*>(w.untyped_data()), y->typed_data());
+                                                static_cast<const uint8_t*>(w.untyped_data()), y->typed_data(),
+                                                int4 ? kInt4Block : kInt8Block);
   return ffi::Error::Success();
 }
 

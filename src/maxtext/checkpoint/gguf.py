@@ -28,10 +28,14 @@ and `tokenizer.chat_template` the chat template.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import hashlib
 import os
 import sys
+import tempfile
+from pathlib import Path
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -511,6 +515,55 @@ def _vocabulary_order_merges(pieces: Sequence[str]) -> list[tuple[str, str]]:
   return merges
 
 
+# The version of `_vocabulary_order_merges`' result kept on disk: part of a kept file's name, so a change of the
+# rule that makes merges must change it.
+_MERGES_VERSION = "vocabulary-order-1"
+
+
+def merges_cache_folder() -> Path:
+  """Where `cached_vocabulary_order_merges` keeps merges: `tokenizers/` in this package's cache folder
+  (`$MAXTEXT_CACHE_DIR`, else `~/.cache/maxtext`)."""
+  return Path(os.environ.get("MAXTEXT_CACHE_DIR") or Path.home() / ".cache" / "maxtext").expanduser() / "tokenizers"
+
+
+def cached_vocabulary_order_merges(pieces: Sequence[str], folder: Path | None = None) -> list[tuple[str, str]]:
+  """`_vocabulary_order_merges(pieces)`, kept in `folder` (default `merges_cache_folder()`) as the pieces' ids.
+
+  Making the merges of a 262,144-piece vocabulary takes about a second of Python; a start that finds them reads
+  an int32 `[M, 2]` array instead. The file's name is a SHA-256 of the pieces and `_MERGES_VERSION`, so another
+  vocabulary never reads it; a file that does not load as such an array of ids in range is made again and
+  replaced. A folder that cannot be written only costs the next start the second again.
+  """
+  folder = merges_cache_folder() if folder is None else Path(folder)
+  digest = hashlib.sha256("\0".join([_MERGES_VERSION, *pieces]).encode("utf-8")).hexdigest()
+  path = folder / f"merges-{digest[:32]}.npy"
+  with contextlib.suppress(OSError, ValueError):
+    ids = np.load(path, allow_pickle=False)
+    if (
+        ids.dtype == np.int32
+        and ids.ndim == 2
+        and ids.shape[1] == 2
+        and (ids.size == 0 or (ids.min() >= 0 and ids.max() < len(pieces)))
+    ):
+      pairs = np.asarray(pieces, dtype=object)[ids]  # [M, 2] of the pieces themselves: no int per id in Python
+      return list(zip(pairs[:, 0].tolist(), pairs[:, 1].tolist()))
+  merges = _vocabulary_order_merges(pieces)
+  index = {piece: i for i, piece in enumerate(pieces)}
+  ids = np.asarray([(index[a], index[b]) for a, b in merges], np.int32).reshape(-1, 2)
+  with contextlib.suppress(OSError):
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=".merges-", suffix=".npy", dir=folder)
+    try:
+      with os.fdopen(fd, "wb") as f:
+        np.save(f, ids, allow_pickle=False)
+      os.chmod(partial, 0o644)  # mkstemp makes it private; the cache holds ordinary files
+      os.replace(partial, path)
+    finally:
+      if os.path.exists(partial):
+        os.remove(partial)
+  return merges
+
+
 def _sentencepiece_bpe(file: GGUFFile, tokens: list[str]) -> Any:
   """The SentencePiece BPE tokenizer (`llama` model) of Gemma files: spaces written as U+2581, no space prefix,
   merges in vocabulary order (the file has none, and Gemma's scores do not follow its merge order), `<0xNN>` byte
@@ -530,7 +583,7 @@ def _sentencepiece_bpe(file: GGUFFile, tokens: list[str]) -> Any:
   unk = file.field("tokenizer.ggml.unknown_token_id")
   model = models.BPE(
       vocab={piece: i for i, piece in enumerate(pieces)},
-      merges=_vocabulary_order_merges(pieces),
+      merges=cached_vocabulary_order_merges(pieces),
       unk_token=None if unk is None else pieces[int(unk)],
       fuse_unk=True,
       byte_fallback=True,
@@ -567,13 +620,12 @@ def load_gguf_tokenizer(path: str | os.PathLike | GGUFFile) -> GGUFTokenizerPart
     raise GGUFError(f"{file.path}: tokenizer.ggml.tokens must be set")
   tokenizer = _byte_level_bpe(file, tokens) if kind == "gpt2" else _sentencepiece_bpe(file, tokens)
   types = file.field("tokenizer.ggml.token_type") or []
-  vocab = tokenizer.get_vocab()
+  # In the model's vocabulary (a SentencePiece run of spaces is looked up respelled: see `_sentencepiece_bpe`).
+  user_defined = [t for t, k in zip(tokens, types) if k == _USER_DEFINED and tokenizer.token_to_id(t) is not None]
   tokenizer.add_special_tokens(
       [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in (_UNKNOWN, _CONTROL)]
   )
-  tokenizer.add_tokens(  # a SentencePiece run of spaces is looked up respelled (see `_sentencepiece_bpe`)
-      [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab]
-  )
+  tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
 
   def special(kind: str) -> int | None:
     value = file.field(f"tokenizer.ggml.{kind}_token_id")

@@ -309,6 +309,7 @@ class LLMEngine:
     # first call. Steps run meanwhile, a little slower until it is done. `placed_bytes` is None until then.
     self.placed_bytes: int | None = None
     self._placing: threading.Thread | None = None
+    self._placing_copies: threading.Thread | None = None  # places the copies of cached weights (a daemon)
     self._placing_pending = True
     self._copied_leaves: list[Any] | None = None  # cached weights copied by the placing thread, not yet adopted
     self._state_def = state_def
@@ -365,17 +366,27 @@ class LLMEngine:
     """Runs the backend's `work` on the weights' memory; sets `placed_bytes`. Failures only log.
 
     Without `work`, the weights are views of the weight cache's file mapping, pages the backend cannot move: they
-    are first copied into memory of this process, placed there, and adopted by the next step
-    (`_adopt_copied_weights`).
+    are first copied into memory of this process (XLA calls: this thread is not a daemon, and stops copying once
+    the main thread has ended, so a short run's exit does not wait for copies nobody will read), adopted by the
+    next step (`_adopt_copied_weights`), and placed by a daemon thread (system calls only).
     """
     start = time.perf_counter()
     try:
-      copies = None
       if work is None:
-        copies = [jax.device_put(np.array(leaf)) for leaf in self._state_leaves]
+        copies = []
+        for leaf in self._state_leaves:
+          if not threading.main_thread().is_alive():
+            return
+          copies.append(jax.device_put(np.array(leaf)))
         work = self.backend.place_params(copies)
+        self._copied_leaves = copies
+        if work is not None:
+          self._placing_copies = threading.Thread(
+              target=self._place_params, args=(work,), name="maxtext-place-copies", daemon=True
+          )
+          self._placing_copies.start()
+          return
       self.placed_bytes = work() if work is not None else 0
-      self._copied_leaves = copies
     except Exception as e:  # pylint: disable=broad-exception-caught  # an optimisation must not break the engine
       logger.warning("kernel_backend=%s: placing the weights failed (they stay where they are): %s", self.backend.name, e)
       self.placed_bytes = 0

@@ -240,6 +240,29 @@ def test_sentencepiece_merges_follow_the_vocabulary_order():
   assert merges == [("ab", "c"), ("a", "bc"), ("a", "b"), ("c", "d"), ("b", "c")]
 
 
+def test_sentencepiece_merges_are_kept_by_their_vocabulary_and_remade_when_unreadable(tmp_path, monkeypatch):
+  pieces = ["a", "b", "c", "d", "abc", "ab", "cd", "bc"]
+  want = [("ab", "c"), ("a", "bc"), ("a", "b"), ("c", "d"), ("b", "c")]
+  monkeypatch.setenv("MAXTEXT_CACHE_DIR", str(tmp_path))
+  assert gguf_loader.merges_cache_folder() == tmp_path / "tokenizers"
+  assert gguf_loader.cached_vocabulary_order_merges(pieces) == want
+  (kept,) = (tmp_path / "tokenizers").iterdir()
+  np.testing.assert_array_equal(np.load(kept), [[5, 2], [0, 7], [0, 1], [2, 3], [1, 2]])  # the pieces' ids
+  np.save(kept, np.asarray([[6, 2]], np.int32))  # a kept file is read as it is: ("cd", "c")
+  assert gguf_loader.cached_vocabulary_order_merges(pieces) == [("cd", "c")]
+  assert gguf_loader.cached_vocabulary_order_merges(pieces + ["e"]) == want  # another vocabulary, another file
+  assert len(list((tmp_path / "tokenizers").iterdir())) == 2
+  for bad in (np.asarray([[0, 8]], np.int32), np.asarray([0, 1], np.int32), np.asarray([[0.0, 1.0]])):
+    np.save(kept, bad)  # ids out of range, the wrong shape or dtype: made again and replaced
+    assert gguf_loader.cached_vocabulary_order_merges(pieces) == want
+    np.testing.assert_array_equal(np.load(kept), [[5, 2], [0, 7], [0, 1], [2, 3], [1, 2]])
+  kept.write_bytes(b"not an array")
+  assert gguf_loader.cached_vocabulary_order_merges(pieces) == want
+  blocked = tmp_path / "file"
+  blocked.write_text("a file where the folder would be")
+  assert gguf_loader.cached_vocabulary_order_merges(pieces, blocked / "tokenizers") == want  # not kept, still made
+
+
 @pytest.mark.hf
 def test_sentencepiece_merges_are_those_transformers_derives_for_gemma():
   tokenization_utils_base = pytest.importorskip("transformers.tokenization_utils_base")

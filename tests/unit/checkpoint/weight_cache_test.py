@@ -343,6 +343,9 @@ def test_cached_weights_are_copied_out_of_the_file_placed_and_adopted_between_st
   # It calls into XLA: not a daemon, or a process exiting meanwhile would abort inside C++.
   assert not engine._placing.daemon  # pylint: disable=protected-access
   engine._placing.join()  # pylint: disable=protected-access
+  # The copies' placing is system calls only: a daemon the exit does not wait for.
+  assert engine._placing_copies.daemon  # pylint: disable=protected-access
+  engine._placing_copies.join()  # pylint: disable=protected-access
   assert engine.placed_bytes is not None  # the thread ran (a tiny model may hold no whole 2 MiB page to move)
   assert engine._state_leaves == cached  # pylint: disable=protected-access  # adopted at the next step only
   out = {}

@@ -16,7 +16,6 @@ from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.inference import engine as engine_module
 from maxtext.inference.engine import LLMEngine, check_finite_rows, sampling_logits_indices
-from maxtext.layers.embeddings import greedy_token_ids
 from maxtext.kernels.cpu import cpu_attention, cpu_gemm, huge_pages
 from maxtext.kernels.cpu.backend import PANELS
 from maxtext.configs.errors import ConfigError
@@ -204,28 +203,6 @@ def test_greedy_and_sampled_steps_produce_the_same_greedy_tokens():
   # Logprobs send greedy requests through the separate path: logits to the host, the sampler's argmax.
   separate = LLM(model_name="llama-tiny", **RUNNER).generate(prompts, SamplingParams(max_tokens=5, logprobs=1))
   assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in separate]
-
-
-def test_greedy_token_ids_are_numpy_argmax_with_ties_to_the_first_index():
-  rng = np.random.default_rng(0)
-  logits = rng.standard_normal((9, 32000)).astype(np.float32)
-  logits[1, [7, 300, 31999]] = 50.0  # ties: the first index wins, as with argmax
-  logits[2] = -np.inf
-  logits[2, 31999] = 0.0  # the last index
-  logits[3] = 1.0  # every entry ties
-  logits[4, :] = np.float32(-3.0e38)
-  logits[4, 5] = np.float32(-1.0e38)
-  got = np.asarray(greedy_token_ids(logits))
-  assert got.dtype == np.int32
-  np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
-  assert got[1] == 7 and got[2] == 31999 and got[3] == 0 and got[4] == 5
-
-
-def test_greedy_token_ids_of_a_nan_row_is_out_of_range():
-  """A NaN row never yields a valid token id by accident; the engine rejects it (check_finite_rows) first."""
-  logits = np.zeros((2, 16), np.float32)
-  logits[1, 3] = np.nan
-  np.testing.assert_array_equal(np.asarray(greedy_token_ids(logits)), [0, 16])
 
 
 def test_greedy_on_device_rejects_non_finite_rows_like_the_sampler():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext.layers.embeddings import Embed, attend, embed_tokens
+from maxtext.layers.embeddings import Embed, attend, embed_tokens, greedy_token_ids
 
 
 def test_embed_and_attend_match_numpy():
@@ -42,3 +42,33 @@ def test_scaled_module_and_dtypes():
 def test_embed_rejects_bad_sizes():
   with pytest.raises(ValueError, match="Embed needs positive sizes, got num_embeddings=0, features=4"):
     Embed(0, 4, rngs=nnx.Rngs(0))
+
+
+def test_greedy_token_ids_are_numpy_argmax_with_ties_to_the_first_index():
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((9, 32000)).astype(np.float32)
+  logits[1, [7, 300, 31999]] = 50.0  # ties: the first index wins, as with argmax
+  logits[2] = -np.inf
+  logits[2, 31999] = 0.0  # the last index
+  logits[3] = 1.0  # every entry ties
+  logits[4, :] = np.float32(-3.0e38)
+  logits[4, 5] = np.float32(-1.0e38)
+  got = np.asarray(greedy_token_ids(logits))
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+  assert got[1] == 7 and got[2] == 31999 and got[3] == 0 and got[4] == 5
+
+
+def test_greedy_token_ids_of_a_nan_row_is_out_of_range():
+  """A NaN row never yields a valid token id by accident; the engine rejects it (check_finite_rows) first."""
+  logits = np.zeros((2, 16), np.float32)
+  logits[1, 3] = np.nan
+  np.testing.assert_array_equal(np.asarray(greedy_token_ids(logits)), [0, 16])
+
+
+def test_greedy_token_ids_over_candidates_take_the_smallest_id_of_the_maximum():
+  logits = np.asarray([[1.0, 3.0, 3.0, 2.0], [0.0, 4.0, 5.0, 5.0]], np.float32)
+  ids = np.asarray([[40, 9, 7, 2], [3, 1, 8, 6]], np.int32)
+  np.testing.assert_array_equal(np.asarray(greedy_token_ids(logits, ids)), [7, 6])
+  nan_row = np.asarray([[np.nan, np.nan]], np.float32)
+  np.testing.assert_array_equal(np.asarray(greedy_token_ids(nan_row, np.asarray([[4, 5]], np.int32))), [2**31 - 1])

@@ -1,4 +1,4 @@
-"""The README's test command is exactly what CI runs; its first command fetches what the example config loads."""
+"""The README's test command is exactly what CI runs; its fetch commands fetch what the example configs load."""
 
 import importlib.util
 import os
@@ -54,9 +54,28 @@ def test_readme_first_command_fetches_the_example_model_where_its_config_looks()
       True,
       "What is the capital of France?",
   )
-  spec = importlib.util.spec_from_file_location("fetch_example_model", ROOT / "scripts" / "fetch_example_model.py")
-  fetch = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(fetch)
+  fetch = _fetch_script()
   assert os.path.expanduser(cfg.gguf_model_path) == os.path.join(
-      os.path.expanduser(fetch.DEFAULT_CACHE_DIR), fetch.FILE_NAME
+      os.path.expanduser(fetch.DEFAULT_CACHE_DIR), fetch.MODELS[fetch.DEFAULT_MODEL].file_name
   )
+
+
+def test_readme_gemma_command_fetches_the_file_its_config_looks_for():
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  line = next(line for line in readme.splitlines() if "--model gemma3-270m &&" in line)
+  fetch_step, decode_step = (shlex.split(step) for step in line.split("&&"))
+  assert fetch_step == [".venv/bin/python", "scripts/fetch_example_model.py", "--model", "gemma3-270m"]
+  assert decode_step[:2] == [".venv/bin/maxtext-decode", "configs/base.yml"]
+  cfg = load_config(decode_step[1:])
+  assert (cfg.model_name, cfg.prompt, cfg.max_new_tokens) == ("gemma3-270m", "The capital of France is", 23)
+  fetch = _fetch_script()
+  assert os.path.expanduser(cfg.gguf_model_path) == os.path.join(
+      os.path.expanduser(fetch.DEFAULT_CACHE_DIR), fetch.MODELS["gemma3-270m"].file_name
+  )
+
+
+def _fetch_script():
+  spec = importlib.util.spec_from_file_location("fetch_example_model", ROOT / "scripts" / "fetch_example_model.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

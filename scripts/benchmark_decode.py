@@ -34,14 +34,21 @@ This package's load + first call is measured twice: a cold start, whose compilat
 warm start (`wload_s`, `wfirst_s`), a second process over the folder the first one filled, as a second run of the
 same model finds it; the warm start's tokens must equal the cold run's (`warm_same_tokens` in the JSON).
 
-`--models smollm2` (not in the default list) decodes the README's example model instead, a Q4_1 GGUF file, from the
-README's chat prompt ids (the same ids for every peer; see scripts/benchmark_decode_peers.py), `--new-tokens` tokens
-past its end-of-text token. Its peers are this package, once per `--maxtext-variants` entry (float32, the reference
-of the `same` column there; `bfloat16` = weight_dtype=bfloat16; `int8w` = quantization=int8w over bfloat16; or any
-key=value: a key the config refuses fails that row only), and `llamacpp`: llama.cpp via llama-cpp-python 0.3.36 in
-its own venv (`--llama-python`, built by scripts/setup_llama_cpp_env.sh), 2 threads, batch N being N sequences
-decoded one after another (its Python API decodes one sequence per call). transformers and vLLM run the random
-checkpoints only and llama.cpp the GGUF model only; a roofline is not computed for the GGUF model.
+`--models smollm2` and `--models gemma3-270m` (not in the default list) decode a GGUF model instead (the table
+GGUF_MODELS of scripts/benchmark_decode_peers.py: SmolLM2-135M-Instruct Q4_1, the README's chat prompt; Gemma 3 270M
+Q4_K_M, a base model, its README prompt as raw text after BOS), from that prompt's ids (the same ids for every peer),
+`--new-tokens` tokens past its end-of-text token. Its peers are this package, once per `--maxtext-variants` entry
+(float32, the reference of the `same` column there; `bfloat16` = weight_dtype=bfloat16; `compact` = bfloat16 with
+greedy_head_candidates=64: a tied head's int4 copy ranks the vocabulary and the greedy pick reads the table rows of
+the 64 best; `int8w` = quantization=int8w over bfloat16; or any key=value: a key the config refuses fails that row
+only), and `llamacpp`: llama.cpp via llama-cpp-python 0.3.36 in its own venv (`--llama-python`, default the one
+scripts/setup_llama_cpp_env.sh builds), 2 threads, batch N being N sequences decoded one after another (its Python
+API decodes one sequence per call); there `vs best` is the ratio to llama.cpp. transformers and vLLM run the random
+checkpoints only and llama.cpp the GGUF models only; a roofline is not computed for a GGUF model. A second table
+counts greedy agreement: after its timed calls each peer decodes every prompt of the model's README prompts and
+example_prompts.LONG_PROMPTS once (batch 1, `--new-tokens` tokens; this package from a second LLM whose
+max_target_length holds the longest), and for each peer but float32 it shows per prompt how many leading tokens
+equal float32's, and their sum out of the most possible.
 
 With `--baseline-src DIR` this package also runs from another source tree (DIR, a checkout's src/ folder, first
 on the worker's PYTHONPATH) as the peer `maxtext@baseline`, right before or after this tree's run of each checkpoint
@@ -50,10 +57,10 @@ baseline's (`vs base`) and whether their tokens agree (`=base`): a before/after 
 
 Timings are measurements only; on a shared machine compare ratios from one run, not absolute numbers.
 
-Usage: python scripts/benchmark_decode.py [--models llama gemma3 qwen3_next smollm2]
+Usage: python scripts/benchmark_decode.py [--models llama gemma3 qwen3_next smollm2 gemma3-270m]
                                           [--peers maxtext transformers vllm llamacpp] [--batches 1 8]
                                           [--prompt-len 64] [--new-tokens 64] [--repeats 2] [--paired-rounds 5]
-                                          [--maxtext-variants float32 bfloat16 int8w] [--vllm-python PATH]
+                                          [--maxtext-variants float32 bfloat16 compact int8w] [--vllm-python PATH]
                                           [--llama-python PATH] [--baseline-src DIR] [--quick] [--json]
 """
 
@@ -83,6 +90,7 @@ def _load_sibling(name: str) -> Any:
 peers_module = _load_sibling("benchmark_decode_peers")
 LLAMA_CPP = peers_module.LLAMA_CPP
 PEERS = ("maxtext", "transformers", "vllm", LLAMA_CPP)
+_LLAMA_VENV_PYTHON = Path.home() / ".cache" / "maxtext" / "llama-cpp-python-0.3.36" / "bin" / "python"
 BASELINE = "maxtext@baseline"  # this package from `--baseline-src`
 LIN, FULL, SLIDE = "linear_attention", "full_attention", "sliding_attention"
 _COMMON = {
@@ -269,27 +277,6 @@ def measure_bandwidth(quick: bool) -> dict[str, Any]:
   return BandwidthProbe(quick).read()
 
 
-def _time_decode_steps(engine: Any) -> list[float]:
-  """Wraps `engine.step` to record the wall time of every pure-decode step (each scheduled token is sampled).
-
-  Returns the list the times are appended to; a step that prefills (more tokens scheduled than sampled) is skipped.
-  """
-  times: list[float] = []
-  step = engine.step
-
-  def timed_step():
-    scheduled, generated = engine.stats.scheduled_tokens, engine.stats.generated_tokens
-    start = time.perf_counter()
-    finished = step()
-    elapsed = time.perf_counter() - start
-    if engine.stats.scheduled_tokens - scheduled == engine.stats.generated_tokens - generated > 0:
-      times.append(elapsed)
-    return finished
-
-  engine.step = timed_step
-  return times
-
-
 def run_maxtext(
     folder: str,
     batches: Sequence[int],
@@ -303,6 +290,8 @@ def run_maxtext(
     gguf: str = "",
     prompt_ids: Sequence[int] = (),
     overrides: Sequence[str] = (),
+    model: str = "",
+    agreement_ids: Sequence[Sequence[int]] = (),
 ) -> dict[str, Any]:
   """This package's LLM over the Hugging Face folder (or the GGUF model); also the median wall time of its decode
   steps.
@@ -318,17 +307,20 @@ def run_maxtext(
     quick: the bandwidth probe's test size.
     gguf: the GGUF model's file, decoded instead of `folder` from `prompt_ids` (every request the same prompt),
       `new_tokens` tokens past its end-of-text token as the other peers do.
-    prompt_ids: the chat prompt's ids (`gguf` only); this package's chat template must give the same.
+    prompt_ids: the README prompt's ids (`gguf` only); this package must give the same.
     overrides: config `key=value` strings (a `--maxtext-variants` entry).
+    model: the GGUF model's name in peers_module.GGUF_MODELS (`gguf` only).
+    agreement_ids: prompts decoded once each after the timed batches (`agreement_tokens`), by a second LLM whose
+      max_target_length holds the longest, so the timed one keeps the README prompt's.
 
   Raises:
-    ValueError: this package's chat prompt ids are not `prompt_ids`.
+    ValueError: this package's README prompt ids are not `prompt_ids`.
   """
   from maxtext.inference import LLM, SamplingParams
 
   if gguf:
-    prompt_len = len(prompt_ids)
-    source = {"model_name": peers_module.MODEL_NAME, "gguf_model_path": gguf, "use_chat_template": True}
+    prompt_len, spec = len(prompt_ids), peers_module.GGUF_MODELS[model]
+    source = {"model_name": spec.model_name, "gguf_model_path": gguf, "use_chat_template": spec.use_chat_template}
   else:
     source = {"hf_model_path": folder}
   start = time.perf_counter()
@@ -342,13 +334,13 @@ def run_maxtext(
   )
   load_s = time.perf_counter() - start
   if gguf:
-    own_ids = llm.prompt_token_ids(peers_module.PROMPT)
+    own_ids = llm.prompt_token_ids(spec.prompt)
     if own_ids != list(prompt_ids):
-      raise ValueError(f"the chat prompt's ids must be the benchmark's {list(prompt_ids)}, this package gives {own_ids}")
+      raise ValueError(f"the prompt's ids must be the benchmark's {list(prompt_ids)}, this package gives {own_ids}")
     # Every peer generates exactly `new_tokens` tokens: the scheduler's end-of-text stop is turned off.
     llm.engine.scheduler.eos_token_id = None
   params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
-  decode_times = _time_decode_steps(llm.engine)
+  decode_times = peers_module.time_decode_steps(llm.engine)
   out: dict[str, Any] = {"load_s": load_s, "batches": {}}
   probe: BandwidthProbe | None = None  # made after the first calls, which it would otherwise slow
   for batch in batches:
@@ -384,6 +376,12 @@ def run_maxtext(
             {"gb_per_s": max(before, probe.read()["gb_per_s"]), "decode_step_s": statistics.median(decode_times)}
         )
       out["batches"][str(batch)]["paired"] = rounds
+  if agreement_ids and not first_call_only:
+    del llm  # one model in memory at a time
+    longest = max(map(len, agreement_ids)) + new_tokens
+    llm = LLM(argv=overrides, max_num_seqs=1, max_target_length=longest, compilation_cache_dir=cache_dir, **source)
+    llm.engine.scheduler.eos_token_id = None
+    out["agreement_tokens"] = [peers_module.output_tokens(llm.generate([list(i)], params))[0] for i in agreement_ids]
   return out
 
 
@@ -397,6 +395,7 @@ def _worker_main(argv: Sequence[str]) -> int:
   parser.add_argument("--folder", default="")
   parser.add_argument("--gguf", default="")
   parser.add_argument("--prompt-ids", type=int, nargs="*", default=[])
+  parser.add_argument("--agreement-ids", type=json.loads, default=[])
   parser.add_argument("--override", action="append", default=[])
   parser.add_argument("--model", default="llama")
   parser.add_argument("--batches", type=int, nargs="+", default=[1])
@@ -413,9 +412,10 @@ def _worker_main(argv: Sequence[str]) -> int:
   elif args.role == "bandwidth":
     result = measure_bandwidth(args.quick)
   elif args.role == "prompt":
-    result = peers_module.chat_prompt_ids(args.gguf)
+    result = peers_module.gguf_prompt_ids(args.model, args.gguf)
   elif args.role == LLAMA_CPP:
-    result = peers_module.run_llama_cpp(args.gguf, args.prompt_ids, args.batches, args.new_tokens, args.repeats)
+    sizes = (args.batches, args.new_tokens, args.repeats)
+    result = peers_module.run_llama_cpp(args.gguf, args.prompt_ids, *sizes, agreement_ids=args.agreement_ids)
   elif args.role in ("maxtext", WARM):
     sizes = (args.folder, args.batches, args.prompt_len, args.new_tokens, args.repeats)
     result = run_maxtext(
@@ -427,6 +427,8 @@ def _worker_main(argv: Sequence[str]) -> int:
         gguf=args.gguf,
         prompt_ids=args.prompt_ids,
         overrides=args.override,
+        model=args.model,
+        agreement_ids=args.agreement_ids,
     )
   else:
     result = peers_module.WORKERS[args.role](args.folder, args.batches, args.prompt_len, args.new_tokens, args.repeats)
@@ -622,7 +624,7 @@ def _run_job(
   """One peer's worker on one model (`unsupported`: the kind of model the peer runs instead, when it cannot run
   this one); `pythons` holds the vLLM and llama.cpp interpreters and the baseline's source tree."""
   if unsupported:
-    only = f"the {peers_module.MODEL} GGUF model" if unsupported == "GGUF" else "the random checkpoints"
+    only = "the GGUF models" if unsupported == "GGUF" else "the random checkpoints"
     return {"error": f"{job} runs {only} only"}
   if job == BASELINE:
     return run_worker(sys.executable, "maxtext", run_args, timeout, src=pythons[BASELINE])
@@ -665,10 +667,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
       "--models",
-      choices=tuple(MODELS) + (peers_module.MODEL,),
+      choices=tuple(MODELS) + tuple(peers_module.GGUF_MODELS),
       nargs="+",
       default=list(MODELS),
-      help=f"checkpoints to run (default: the random ones; {peers_module.MODEL}: the README's example model)",
+      help=f"checkpoints to run (default: the random ones; {', '.join(peers_module.GGUF_MODELS)}: GGUF models)",
   )
   parser.add_argument("--peers", choices=PEERS, nargs="+", default=list(PEERS), help="implementations to run")
   parser.add_argument("--batches", type=_positive_int, nargs="+", default=None, help="requests per call (1 8)")
@@ -683,12 +685,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       "--maxtext-variants",
       nargs="+",
       default=["float32"],
-      help="this package's runs: float32, bfloat16 (weight_dtype), int8w (quantization) or key=value",
+      help="this package's runs: float32, bfloat16 (weight_dtype), compact, int8w (quantization) or key=value",
   )
   parser.add_argument("--vllm-python", default=sys.executable, help="interpreter that has vllm (its own venv)")
   parser.add_argument(
       "--llama-python",
-      default=sys.executable,
+      default=str(_LLAMA_VENV_PYTHON) if _LLAMA_VENV_PYTHON.exists() else sys.executable,
       help="interpreter that has llama_cpp (scripts/setup_llama_cpp_env.sh); batch N = N sequences one after another",
   )
   parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker process")
@@ -733,10 +735,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _WEIGHT_CACHE_DIR = os.path.join(tmp, "weights")
     for model in args.models:
       sizes = ["--batches", *map(str, batches), "--new-tokens", str(new_tokens), "--repeats", str(repeats)]
-      if model == peers_module.MODEL:
-        checkpoint, hf_config, run_args = peers_module.gguf_model(run_worker, args.timeout)
+      if model in peers_module.GGUF_MODELS:
+        checkpoint, hf_config, run_args = peers_module.gguf_model(model, run_worker, args.timeout)
         run_args += sizes
-        notes[model] = f"{peers_module.PROMPT!r} through the chat template: {len(checkpoint['prompt_ids'])} prompt ids"
+        notes[model] = peers_module.prompt_note(model, checkpoint)
         reference, unsupported = "maxtext", {"transformers": "random", "vllm": "random"}
       else:
         checkpoint, hf_config, folder = _random_model(model, tmp, args.seed, quick, args.timeout)
@@ -765,6 +767,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       for model, checkpoint, hf_config, results, reference in runs
       for row in summarize(model, checkpoint, hf_config, results, bandwidth["gb_per_s"], reference)
   ]
+  agreement = [row for model, _, _, results, _ in runs for row in peers_module.agreement_rows(model, results)]
   settings = {
       "baseline_src": args.baseline_src or None,
       "batches": batches,
@@ -775,7 +778,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       "maxtext_variants": {peer: list(overrides) for peer, overrides in variants.items()},
   }
   if args.json:
-    print(json.dumps({"settings": settings, "bandwidth": bandwidth, "notes": notes, "results": rows}))
+    report = {"settings": settings, "bandwidth": bandwidth, "notes": notes, "results": rows, "agreement": agreement}
+    print(json.dumps(report))
   else:
     print(
         f"prompt {prompt_len} + {new_tokens} new tokens, greedy, fp32 random checkpoints, best of {repeats}; "
@@ -786,6 +790,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for peer, note in notes.items():
       print(f"{peer}: {note}")
     print(format_table(rows))
+    if agreement:
+      print(peers_module.format_agreement(agreement, new_tokens))
   return 0
 
 

@@ -2,11 +2,13 @@
 
 The random checkpoints' peers: transformers' `generate` and vLLM's CPU engine (in the interpreter `--vllm-python`).
 
-`--models smollm2` decodes the README's example model, SmolLM2-135M-Instruct as a Q4_1 GGUF file (fetched once by
-scripts/fetch_example_model.py), from the README's chat prompt: "What is the capital of France?" as one user message
-through the model's own chat template. The prompt's ids are computed once, by this package's tokenizer, and every
-peer decodes exactly those ids. The peer `llamacpp` is llama.cpp through llama-cpp-python, in its own venv
-(scripts/setup_llama_cpp_env.sh; `--llama-python`), with 2 threads.
+The GGUF models (`GGUF_MODELS`; fetched once by scripts/fetch_example_model.py) decode their README prompt
+(scripts/example_prompts.py): `smollm2`, SmolLM2-135M-Instruct as a Q4_1 file, "What is the capital of France?" as
+one user message through the model's own chat template; `gemma3-270m`, Gemma 3 270M (a base model) as a Q4_K_M
+file, "The capital of France is" as raw text after its BOS token, no chat template. The greedy agreement prompts are
+the README prompt and `LONG_PROMPTS`, made the same way. Every prompt's ids are computed once, by this package's
+tokenizer, and every peer decodes exactly those ids. The peer `llamacpp` is llama.cpp through llama-cpp-python, in
+its own venv (scripts/setup_llama_cpp_env.sh; `--llama-python`), with 2 threads.
 
 Workers here import their frameworks lazily: `run_llama_cpp` runs in the llama.cpp venv, which has neither JAX nor
 this package; the module's own imports are the standard library's only.
@@ -19,11 +21,42 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-MODEL = "smollm2"
-MODEL_NAME = "smollm2-135m-instruct"  # configs/models/<MODEL_NAME>.yml
-PROMPT = "What is the capital of France?"
+
+def _load_sibling(name: str) -> Any:
+  """The module scripts/<name>.py (standard-library imports only)."""
+  spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name(f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+example_prompts = _load_sibling("example_prompts")
+
+
+class GgufModel(NamedTuple):
+  """A GGUF model of `--models`: its config, its file and how its prompts are made."""
+
+  model_name: str  # configs/models/<model_name>.yml
+  fetch_model: str | None  # fetch_example_model.fetch(model=...); None: fetch()'s default file
+  use_chat_template: bool  # the prompt as one user message through the chat template, else raw text after BOS
+
+  @property
+  def prompt(self) -> str:
+    """The README prompt, the one the speed rows decode."""
+    return example_prompts.README_PROMPTS[self.model_name][0]
+
+  @property
+  def agreement_prompts(self) -> tuple[str, ...]:
+    """The prompts of the greedy agreement counts."""
+    return example_prompts.README_PROMPTS[self.model_name] + example_prompts.LONG_PROMPTS
+
+
+GGUF_MODELS: dict[str, GgufModel] = {
+    "smollm2": GgufModel("smollm2-135m-instruct", None, use_chat_template=True),
+    "gemma3-270m": GgufModel("gemma3-270m", "gemma3-270m", use_chat_template=False),  # a base model
+}
 LLAMA_CPP = "llamacpp"
 LLAMA_CPP_THREADS = 2
 # --maxtext-variants names -> this package's config overrides (any other `key=value` is passed as it is).
@@ -31,6 +64,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "float32": (),
     "bfloat16": ("weight_dtype=bfloat16",),
     "int8w": ("weight_dtype=bfloat16", "quantization=int8w"),  # int8w keeps what it does not quantize in bfloat16
+    # A tied head's int4 copy ranks the vocabulary; the greedy pick reads the table rows of the 64 best only.
+    "compact": ("weight_dtype=bfloat16", "greedy_head_candidates=64"),
 }
 
 
@@ -54,65 +89,87 @@ def variant_peer(variant: str) -> str:
   return "maxtext" if variant == "float32" else f"maxtext:{variant}"
 
 
-def fetch_gguf() -> str:
-  """The example model's GGUF path (scripts/fetch_example_model.py: verified, downloaded only when missing)."""
-  path = Path(__file__).resolve().with_name("fetch_example_model.py")
-  spec = importlib.util.spec_from_file_location("fetch_example_model", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.fetch()
+def fetch_gguf(model: str) -> str:
+  """`model`'s GGUF path (scripts/fetch_example_model.py: verified, downloaded only when missing)."""
+  fetch_model = GGUF_MODELS[model].fetch_model
+  fetch = _load_sibling("fetch_example_model").fetch
+  return fetch() if fetch_model is None else fetch(model=fetch_model)
 
 
-def gguf_model(run_worker: Callable[..., dict[str, Any]], timeout: float) -> tuple[dict, dict, list[str]]:
-  """The example GGUF model (fetched when missing) and its chat prompt's ids, by benchmark_decode's `run_worker`.
+def gguf_model(model: str, run_worker: Callable[..., dict[str, Any]], timeout: float) -> tuple[dict, dict, list[str]]:
+  """The GGUF `model` (fetched when missing) and its prompts' ids, by benchmark_decode's `run_worker`.
 
   Returns:
-    ({"prompt_ids": [...]}, {} (no config.json), the worker arguments naming the file and the ids).
+    ({"prompt_ids": [...], "agreement_prompt_ids": [[...], ...]}, {} (no config.json), the worker arguments naming
+    the model, the file and the ids).
   """
   try:
-    gguf = fetch_gguf()
+    gguf = fetch_gguf(model)
   except RuntimeError as e:
-    raise SystemExit(f"benchmark_decode: fetching the {MODEL} model failed: {e}") from e
-  prompt = run_worker(sys.executable, "prompt", ["--gguf", gguf], timeout)
+    raise SystemExit(f"benchmark_decode: fetching the {model} model failed: {e}") from e
+  prompt = run_worker(sys.executable, "prompt", ["--model", model, "--gguf", gguf], timeout)
   if "error" in prompt:
-    raise SystemExit(f"benchmark_decode: the {MODEL} chat prompt failed: {prompt['error']}")
-  return prompt, {}, ["--gguf", gguf, "--prompt-ids", *map(str, prompt["prompt_ids"])]
+    raise SystemExit(f"benchmark_decode: the {model} prompt ids failed: {prompt['error']}")
+  ids = ["--prompt-ids", *map(str, prompt["prompt_ids"]), "--agreement-ids", json.dumps(prompt["agreement_prompt_ids"])]
+  return prompt, {}, ["--model", model, "--gguf", gguf, *ids]
+
+
+def prompt_note(model: str, checkpoint: dict[str, Any]) -> str:
+  """The table's note on a GGUF model's prompts."""
+  spec = GGUF_MODELS[model]
+  how = "through the chat template" if spec.use_chat_template else "after BOS, no chat template"
+  lengths = ", ".join(str(len(ids)) for ids in checkpoint["agreement_prompt_ids"])
+  return f"{spec.prompt!r} {how}: {len(checkpoint['prompt_ids'])} prompt ids; agreement prompts {lengths} ids"
 
 
 # pylint: disable=import-outside-toplevel  # each worker imports only its own framework (and may lack the others)
 
 
-def chat_prompt_ids(gguf: str) -> dict[str, Any]:
-  """The README's chat prompt as token ids, by this package's tokenizer of `gguf` (the `prompt` worker).
+def gguf_prompt_ids(model: str, gguf: str) -> dict[str, Any]:
+  """The GGUF `model`'s prompts as token ids, by this package's tokenizer of `gguf` (the `prompt` worker).
 
   Returns:
-    {"prompt_ids": [...]}: the ids `LLM(..., use_chat_template=True).prompt_token_ids(PROMPT)` gives; the maxtext
-    workers check theirs against them.
+    {"prompt_ids": [...], "agreement_prompt_ids": [[...], ...]}: the ids `LLM(...).prompt_token_ids(prompt)` gives
+    under the model's config (`use_chat_template` as GGUF_MODELS says); the maxtext workers check theirs against
+    them.
   """
   from maxtext.checkpoint import load_run_config
   from maxtext.inference.chat_template import render_chat_template
   from maxtext.inference.tokenizer import tokenizer_from_config
 
-  tokenizer = tokenizer_from_config(load_run_config([], model_name=MODEL_NAME, gguf_model_path=gguf))
-  text = render_chat_template(
-      tokenizer.chat_template,
-      [{"role": "user", "content": PROMPT}],
-      bos_token=tokenizer.token_text(tokenizer.bos_token_id),
-      eos_token=tokenizer.token_text(tokenizer.eos_token_id),
-      add_generation_prompt=True,
-      source=gguf,
-  )
-  return {"prompt_ids": tokenizer.encode(text, add_special_tokens=False)}
+  spec = GGUF_MODELS[model]
+  tokenizer = tokenizer_from_config(load_run_config([], model_name=spec.model_name, gguf_model_path=gguf))
+
+  def ids(prompt: str) -> list[int]:
+    if not spec.use_chat_template:
+      return tokenizer.encode(prompt, add_bos=True)
+    text = render_chat_template(
+        tokenizer.chat_template,
+        [{"role": "user", "content": prompt}],
+        bos_token=tokenizer.token_text(tokenizer.bos_token_id),
+        eos_token=tokenizer.token_text(tokenizer.eos_token_id),
+        add_generation_prompt=True,
+        source=gguf,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+  return {"prompt_ids": ids(spec.prompt), "agreement_prompt_ids": [ids(p) for p in spec.agreement_prompts]}
 
 
 def run_llama_cpp(
-    gguf: str, prompt_ids: Sequence[int], batches: Sequence[int], new_tokens: int, repeats: int
+    gguf: str,
+    prompt_ids: Sequence[int],
+    batches: Sequence[int],
+    new_tokens: int,
+    repeats: int,
+    agreement_ids: Sequence[Sequence[int]] = (),
 ) -> dict[str, Any]:
   """llama.cpp (llama-cpp-python, in its own venv), greedy, `LLAMA_CPP_THREADS` threads, on the GGUF's own blocks.
 
   Its Python API decodes one sequence per call, so batch N is N sequences decoded one after another; each starts
   from an empty cache (a fresh prefill, as the other peers do it) and runs `new_tokens` tokens, past the end-of-text
-  token as the other peers do.
+  token as the other peers do. After the timed batches, each of `agreement_ids` is decoded once the same way
+  (`agreement_tokens`); the context holds the longest prompt.
   """
   import llama_cpp  # pylint: disable=import-error  # only in the llama.cpp venv (--llama-python)
 
@@ -120,7 +177,7 @@ def run_llama_cpp(
   start = time.perf_counter()
   llm = llama_cpp.Llama(
       model_path=gguf,
-      n_ctx=len(prompt) + new_tokens,
+      n_ctx=max(map(len, [prompt, *agreement_ids])) + new_tokens,
       n_threads=LLAMA_CPP_THREADS,
       n_threads_batch=LLAMA_CPP_THREADS,
       seed=0,
@@ -128,10 +185,11 @@ def run_llama_cpp(
   )
   load_s = time.perf_counter() - start
 
-  def one_sequence() -> list[int]:
+  def one_sequence(ids: Sequence[int] = prompt) -> list[int]:
     llm.reset()  # otherwise `generate` reuses the cached prompt of the previous sequence
     tokens: list[int] = []
-    for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+    sequence = [int(t) for t in ids]
+    for token in llm.generate(sequence, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
       tokens.append(int(token))
       if len(tokens) == new_tokens:
         break
@@ -146,7 +204,65 @@ def run_llama_cpp(
     sequences(batch)
     first_s = time.perf_counter() - start
     out["batches"][str(batch)] = timed_batch(functools.partial(sequences, batch), batch, new_tokens, repeats, first_s)
+  if agreement_ids:
+    out["agreement_tokens"] = [one_sequence(ids) for ids in agreement_ids]
   return out
+
+
+def leading_agreement(tokens: Sequence[int], reference: Sequence[int]) -> int:
+  """How many leading tokens of `tokens` equal `reference`'s."""
+  count = 0
+  for a, b in zip(tokens, reference):
+    if a != b:
+      break
+    count += 1
+  return count
+
+
+def agreement_rows(model: str, results: dict[str, Any], reference: str = "maxtext") -> list[dict[str, Any]]:
+  """Per peer other than `reference` with `agreement_tokens`: the leading greedy tokens equal to the reference's
+  on each agreement prompt (`counts`) and their sum; none when the reference has no agreement tokens."""
+  reference_tokens = results.get(reference, {}).get("agreement_tokens")
+  if not reference_tokens:
+    return []
+  rows = []
+  for peer, result in results.items():
+    if peer != reference and result.get("agreement_tokens"):
+      counts = [leading_agreement(t, r) for t, r in zip(result["agreement_tokens"], reference_tokens)]
+      rows.append({"model": model, "peer": peer, "reference": reference, "counts": counts, "sum": sum(counts)})
+  return rows
+
+
+def format_agreement(rows: Sequence[dict[str, Any]], new_tokens: int) -> str:
+  """The greedy agreement table of `agreement_rows`."""
+  header = f"{'model':<11} {'peer':<18} {'leading tokens = ' + rows[0]['reference'] + ' (float32), per prompt':<48} sum"
+  lines = [header, "-" * len(header)]
+  for row in rows:
+    counts = "[" + ", ".join(str(c) for c in row["counts"]) + "]"
+    lines.append(f"{row['model']:<11} {row['peer']:<18} {counts:<48} {row['sum']} / {new_tokens * len(row['counts'])}")
+  return "\n".join(lines)
+
+
+def time_decode_steps(engine: Any) -> list[float]:
+  """Wraps this package's `engine.step` to record the wall time of every pure-decode step (each scheduled token
+  is sampled).
+
+  Returns the list the times are appended to; a step that prefills (more tokens scheduled than sampled) is skipped.
+  """
+  times: list[float] = []
+  step = engine.step
+
+  def timed_step():
+    scheduled, generated = engine.stats.scheduled_tokens, engine.stats.generated_tokens
+    start = time.perf_counter()
+    finished = step()
+    elapsed = time.perf_counter() - start
+    if engine.stats.scheduled_tokens - scheduled == engine.stats.generated_tokens - generated > 0:
+      times.append(elapsed)
+    return finished
+
+  engine.step = timed_step
+  return times
 
 
 def timed_batch(

@@ -41,7 +41,7 @@ def test_time_process_reads_the_first_bytes_of_stdout_and_of_the_terminal():
   program = "import sys, time; sys.stderr.write('e\\n'); sys.stderr.flush(); time.sleep(0.2); print('o', flush=True)"
   run = benchmark.time_process(["python3", "-c", program], benchmark._env(), 60, kill_at_first_token=False)  # pylint: disable=protected-access
   assert run["status"] == 0 and run["stdout"] == "o\n" and run["stderr"].strip() == "e"
-  assert 0 < run["first_err_s"] < run["ttft_s"]
+  assert 0 < run["first_err_s"] < run["ttft_s"] <= run["exit_s"]
 
 
 def test_the_table_has_a_row_per_peer_and_the_notes():
@@ -53,7 +53,42 @@ def test_the_table_has_a_row_per_peer_and_the_notes():
       "notes": ["llama.cpp skipped: x"],
   }
   lines = _load_benchmark().format_table(report)
-  assert lines[0].split() == ["peer", "first_err_s", "ttft_s", "api_ttft_s"]
-  assert lines[1].split() == ["maxtext-decode", "0.05", "1.50", "-"]
-  assert lines[2].split() == ["LLM", "API", "-", "2.00", "0.75"]
+  assert lines[0].split() == ["peer", "first_err_s", "ttft_s", "exit_s", "api_ttft_s"]
+  assert lines[1].split() == ["maxtext-decode", "0.05", "1.50", "-", "-"]
+  assert lines[2].split() == ["LLM", "API", "-", "2.00", "-", "0.75"]
   assert lines[3] == "note: llama.cpp skipped: x"
+
+
+@pytest.mark.parametrize(
+    "model, variant, args",
+    [
+        (
+            "smollm2",
+            "float32",
+            ["model_name=smollm2-135m-instruct", "prompt=What is the capital of France?", "use_chat_template=true"],
+        ),
+        (
+            "gemma3-270m",
+            "compact",
+            ["model_name=gemma3-270m", "prompt=The capital of France is", "max_new_tokens=1"]
+            + ["weight_dtype=bfloat16", "greedy_head_candidates=64"],
+        ),
+        (
+            "gemma3-270m",
+            "dtype=bfloat16",
+            ["model_name=gemma3-270m", "prompt=The capital of France is"]
+            + [
+                "max_new_tokens=1",
+                "dtype=bfloat16",
+            ],
+        ),
+    ],
+)
+def test_model_args_are_the_readme_command_or_a_one_token_answer_with_the_variants_keys(model, variant, args):
+  assert _load_benchmark().model_args(model, variant) == args
+
+
+def test_an_unknown_variant_is_refused_before_any_run(capsys):
+  with pytest.raises(SystemExit):
+    _load_benchmark().main(["--variant", "float16"])
+  assert "--variant: a maxtext variant must be one of" in capsys.readouterr().err

@@ -3,7 +3,8 @@
     python tests/upstream/driver.py SPEC.json OUT.json
 
 SPEC holds `model` (a Hugging Face folder), `maxtext_config` (overrides), `prompts` (lists of token ids) or
-`rounds` (lists of such lists, one `generate` call each), `max_tokens`, and `engine` (further `LLM(...)` keywords).
+`rounds` (lists of such lists, one `generate` call each), `max_tokens`, and `engine` (further `LLM(...)` keywords;
+`skip_tokenizer_init` is True unless it says otherwise).
 OUT gets the greedy tokens of each prompt (no stop at eos), the prompt tokens each request found in the prefix
 cache, and the runner's layout: its KV-cache groups, block count, `layer_name_to_kvcache_index`, each physical
 cache's shapes and dtypes (a recurrent state's first axis is its slot count) and the mesh. The tier runs each
@@ -57,9 +58,9 @@ def layout(llm: LLM) -> dict:
 def main(spec_path: str, out_path: str) -> None:
   spec = json.loads(pathlib.Path(spec_path).read_text(encoding="utf-8"))
   engine = dict(spec.get("engine", {}))
+  engine.setdefault("skip_tokenizer_init", True)  # the tiny folders hold no tokenizer; prompts are token ids
   llm = LLM(
       model=spec["model"],
-      skip_tokenizer_init=True,
       hf_overrides={"architectures": ["MaxTextForCausalLM"]},
       additional_config={"maxtext_config": spec.get("maxtext_config", {})},
       **engine,

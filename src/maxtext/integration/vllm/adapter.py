@@ -15,7 +15,7 @@ operation. Every runner op goes through the kernel backend that `kernel_backend`
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -322,6 +322,18 @@ class MaxTextForCausalLM(nnx.Module):
     layers as mamba states with shapes and dtypes, and the KV-sharing layers' targets.
     """
     return kv_cache_spec_data.kv_cache_spec_data(self.cfg)
+
+  def modules(self) -> Iterator[nnx.Module]:
+    """This model and every nnx module inside it, the model first, as torch's `nn.Module.modules()` walks a model.
+
+    vLLM's offline engine walks the driver's model this way when the engine is released or the interpreter exits
+    (`LLMEngine._cleanup_instance_caches`), to undo the hooks of the `torch.compile` wrappers it finds. This model is
+    compiled by JAX and holds no such wrapper, so that walk releases nothing here; it only needs the modules.
+    """
+    yield self
+    for _, module in nnx.iter_modules(self):
+      if module is not self:
+        yield module
 
   def get_input_embeddings(self) -> jax.Array:
     """The token embedding table `[V, D]`."""

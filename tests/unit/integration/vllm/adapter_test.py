@@ -256,6 +256,17 @@ def test_real_weights_need_a_source():
     model.load_weights(jax.random.key(0))
 
 
+def test_modules_walk_the_model_as_vllms_engine_cleanup_does():
+  """vLLM's offline engine iterates `model.modules()` when it is released (torch's walk, looking for torch.compile
+  wrappers to unhook): the model first, then every nnx module inside it exactly once, real or abstract weights."""
+  for model in (_model("llama-tiny"), MaxTextForCausalLM(fake_vllm_config({"model_name": "llama-tiny"}), None)):
+    modules = list(model.modules())
+    assert modules[0] is model
+    assert len({id(m) for m in modules}) == len(modules) == len(list(nnx.iter_modules(model)))
+    assert all(isinstance(m, nnx.Module) for m in modules)
+    assert model.model in modules and all(layer in modules for layer in model.model.layers)
+
+
 def test_mrope_positions_are_normalised():
   # Text-only MRoPE positions are three equal streams [3, T]; the adapter uses stream 0.
   model = _model("llama-tiny")

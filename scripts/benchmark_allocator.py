@@ -20,15 +20,19 @@ Usage: python scripts/benchmark_allocator.py [--models gemma3 qwen3_5] [--contex
 """
 
 import argparse
+import pathlib
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # tests/support/, imported as `support`
+# pylint: disable=wrong-import-position  # the imports below need the line above
+
+from support.benchmark_cli import add_output_flags, emit, positive_int, pyplot
 from maxtext.checkpoint import load_run_config
 from maxtext.inference import SamplingParams
 from maxtext.inference.engine import LLMEngine
-from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int, pyplot
 
 CONTEXTS = (1024, 2048, 4096, 8192)
 MIB = 2**20

@@ -27,18 +27,22 @@ Usage: python scripts/benchmark_memory.py [--contexts 256 512 ... 8192] [--budge
 """
 
 import argparse
+import pathlib
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # tests/support/, imported as `support`
+# pylint: disable=wrong-import-position  # the imports below need the line above
+
+from support.benchmark_cli import add_output_flags, emit, positive_int, pyplot
 from maxtext.checkpoint import load_run_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.inference.engine import make_kv_cache_manager
 from maxtext.inference.kv_cache_capacity import cache_bytes
 from maxtext.inference.kv_cache_manager import ATTENTION, KVCacheManager
 from maxtext.integration.vllm import kv_cache_spec
-from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int, pyplot
 
 CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
 # name -> config overrides (model_name first)

@@ -16,24 +16,28 @@ Usage: python scripts/benchmark_metadata.py [--layers 24] [--requests 4] [--repe
 
 import argparse
 import dataclasses
+import pathlib
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # tests/support/, imported as `support`
+# pylint: disable=wrong-import-position  # the imports below need the line above
+
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
 from flax import nnx
 
+from support import hlo
+from support.benchmark_cli import add_output_flags, emit, positive_int
 from maxtext.checkpoint import load_run_config
 from maxtext.inference import SamplingParams
 from maxtext.inference.batch import build_batch
 from maxtext.inference.engine import LLMEngine, make_attention_metadata, metadata_positions
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
-from maxtext.testing import hlo
-from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
 
 MODES = ("grouped", "per_layer")
 CONST, META, OTHER = 0, 1, 2  # ordered: a result takes the largest kind of its inputs

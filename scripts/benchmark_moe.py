@@ -17,21 +17,25 @@ Usage: python scripts/benchmark_moe.py [--tokens 1 8 64 128 256 512] [--layers 8
 """
 
 import argparse
+import pathlib
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # tests/support/, imported as `support`
+# pylint: disable=wrong-import-position  # the imports below need the line above
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from support.benchmark_cli import add_output_flags, emit, positive_int
 from maxtext.kernels.cpu import cpu_gemm
 from maxtext.kernels.cpu.cpu_moe import experts_cpu_rows
 from maxtext.kernels.moe import experts_tiled
 from maxtext.layers.moe import route
-from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
 
 FORMS: dict[str, Callable[..., jax.Array]] = {"tiled": experts_tiled, "cpu_rows": experts_cpu_rows}
 

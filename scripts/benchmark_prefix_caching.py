@@ -17,17 +17,21 @@ Usage: python scripts/benchmark_prefix_caching.py [--system-tokens 384] [--reque
 """
 
 import argparse
+import pathlib
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # tests/support/, imported as `support`
+# pylint: disable=wrong-import-position  # the imports below need the line above
+
 import jax
 import numpy as np
 
+from support import kv_cache_checks
+from support.benchmark_cli import add_output_flags, emit, positive_int
 from maxtext.inference import LLM, SamplingParams
-from maxtext.testing import kv_cache_checks
-from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
 
 MODELS = ("qwen3-next-tiny", "qwen3.5-tiny", "granite4-tiny", "bamba-tiny")
 

@@ -15,6 +15,7 @@ Usage: python scripts/benchmark_remap.py [--layers 8 48] [--layouts direct ident
 """
 
 import argparse
+import pathlib
 import random
 import statistics
 import sys
@@ -22,12 +23,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # tests/support/, imported as `support`
+# pylint: disable=wrong-import-position  # the imports below need the line above
+
 import jax
 import jax.numpy as jnp
 
+from support import hlo
+from support.benchmark_cli import add_output_flags, emit, positive_int
 from maxtext.integration.vllm import hybrid_cache_utils as hcu
-from maxtext.testing import hlo
-from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
 
 LAYOUTS = ("direct", "identity", "hybrid", "shuffled")
 FULL_ATTENTION_INTERVAL = 4  # layer i is full attention iff (i + 1) % 4 == 0, else a GDN layer

@@ -46,7 +46,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from maxtext.testing import benchmark_cli
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support/, imported as `support`
+# pylint: disable=wrong-import-position  # the imports below need the line above
+
+from support import benchmark_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_MARK = "BENCHMARK_RESULT "

@@ -10,15 +10,19 @@ under the layer-order layout.
 Run: python scripts/remap_demo.py   (exit status 0 when every check passes, 1 otherwise)
 """
 
+import pathlib
 import sys
 from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # tests/support/, imported as `support`
+# pylint: disable=wrong-import-position  # the imports below need the line above
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from support import hlo
 from maxtext.integration.vllm import hybrid_cache_utils as hcu
-from maxtext.testing import hlo
 
 LINEAR, FULL = "linear_attention", "full_attention"
 LAYER_KINDS = (LINEAR, LINEAR, LINEAR, FULL, LINEAR, LINEAR, LINEAR, FULL, FULL)

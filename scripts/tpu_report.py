@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "upstream"))
+sys.path[:0] = [str(REPO / "tests" / "upstream"), str(REPO / "tests")]  # tpu_compile, and its `support`
 import stand_ins  # pylint: disable=wrong-import-position
 
 os.environ.update(stand_ins.environment())

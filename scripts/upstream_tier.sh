@@ -21,4 +21,4 @@ export MAXTEXT_MAIN_PYTHON=${MAXTEXT_MAIN_PYTHON:-$repo/.venv/bin/python}
 # The main suite's tests of the runner-facing code, with vLLM and tpu-inference installed (they must not assume
 # either is absent).
 "$python" -m pytest -q -p no:cacheprovider -m "not slow and not hf" tests/unit/integration tests/unit/decode_test.py \
-  tests/unit/testing tests/unit/kernels/attention_metadata_test.py tests/unit/models/sharding_test.py
+  tests/unit/support tests/unit/kernels/attention_metadata_test.py tests/unit/models/sharding_test.py

@@ -36,7 +36,7 @@ if "MAXTEXT_WEIGHT_CACHE_DIR" not in os.environ:
 import jax  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 
-from maxtext.testing import tpu_inference_wheel  # pylint: disable=wrong-import-position
+from support import tpu_inference_wheel  # pylint: disable=wrong-import-position
 
 # The upstream tier runs in its own venv with vLLM and tpu-inference (scripts/upstream_tier.sh), not in this suite.
 collect_ignore = ["upstream"]

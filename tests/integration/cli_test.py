@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support import param_checks
 from maxtext.checkpoint import save_params
 from maxtext.checkpoint.convert import convert
 from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.models import Transformer
-from maxtext.testing import param_checks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EOS = 2

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support import param_checks
 from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.inference.engine import LLMEngine
 from maxtext.kernels.cpu import cpu_gemm
 from maxtext.kernels.cpu.backend import PANELS, PANELS_INT8
 from maxtext.layers import linears
-from maxtext.testing import param_checks
 
 needs_kernel = pytest.mark.skipif(
     cpu_gemm.unsupported_reason() is not None, reason="the kernel needs x86-64 with AVX2 and FMA"

@@ -11,8 +11,8 @@ import os
 import numpy as np
 import pytest
 
+from support import kv_cache_checks, param_checks
 from maxtext.inference import LLM, SamplingParams
-from maxtext.testing import kv_cache_checks, param_checks
 
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 

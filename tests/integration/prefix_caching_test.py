@@ -14,8 +14,8 @@ import functools
 import numpy as np
 import pytest
 
+from support import kv_cache_checks
 from maxtext.inference import LLM, SamplingParams
-from maxtext.testing import kv_cache_checks
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from support import kv_cache_checks, param_checks
 from maxtext.configs import available_models
 from maxtext.inference import LLM, SamplingParams
-from maxtext.testing import kv_cache_checks, param_checks
 
 # Every tiny config in configs/models: a new family is covered as soon as its tiny config exists.
 FAMILIES = [name for name in available_models() if name.endswith("-tiny")]

@@ -3,9 +3,9 @@
 import jax
 import pytest
 
+from support import kv_cache_checks
 from maxtext.configs import ConfigError
 from maxtext.inference import LLM, SamplingParams
-from maxtext.testing import kv_cache_checks
 
 PROMPTS = [[5, 9, 33, 71, 12, 8, 90, 14, 3, 60, 61], [44, 3, 101]]
 # One token bucket (min_token_bucket = the budget): one compiled step per mesh.

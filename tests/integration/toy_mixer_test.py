@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support import kv_cache_checks, param_checks
 from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.integration.vllm import kv_cache_spec
@@ -20,7 +21,6 @@ from maxtext.kernels.cache_spec import RecurrentSpec
 from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.mixer import Mixer, register_mixer
 from maxtext.models import Transformer
-from maxtext.testing import kv_cache_checks, param_checks
 
 KIND = "running_mean"
 LAYER_TYPES = [KIND, "full_attention", KIND, "full_attention"]

@@ -247,7 +247,7 @@ def model_overrides(model_name: str, tp: int, max_model_len: int, max_num_seqs: 
 
 def _vllm_config(overrides: Mapping[str, Any], block_size: int):
   # pylint: disable=import-outside-toplevel
-  from maxtext.testing.fake_vllm_config import fake_vllm_config
+  from support.fake_vllm_config import fake_vllm_config
 
   model_keys = {k: v for k, v in overrides.items() if k not in ("max_num_seqs",)}
   return fake_vllm_config(model_keys, load_format="dummy", block_size=block_size, dtype="bfloat16")

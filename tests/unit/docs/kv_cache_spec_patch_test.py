@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from support import tpu_inference_wheel
 from maxtext.configs import load_config
 from maxtext.integration.vllm.kv_cache_spec_data import kv_cache_spec_data
 from maxtext.kernels import kv_cache_layout
-from maxtext.testing import tpu_inference_wheel
 
 _PATCH = pathlib.Path(__file__).resolve().parents[3] / "docs" / "tpu-inference-kv-cache-spec.patch"
 

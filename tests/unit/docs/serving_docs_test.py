@@ -6,8 +6,8 @@ import tomllib
 
 import pytest
 
+from support import tpu_inference_wheel
 from maxtext.integration.vllm import environment
-from maxtext.testing import tpu_inference_wheel
 
 _ROOT = pathlib.Path(__file__).resolve().parents[3]
 _SERVING = (_ROOT / "docs" / "serving.md").read_text()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support import kv_cache_checks
 from maxtext.checkpoint import save_params
 from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
@@ -21,7 +22,6 @@ from maxtext.kernels.cpu.backend import PANELS
 from maxtext.configs.errors import ConfigError
 from maxtext.layers import linears
 from maxtext.models import Transformer
-from maxtext.testing import kv_cache_checks
 
 # Tiny shapes: one token bucket (16) and one request bucket (8), so each engine compiles its step once (and a
 # request's solo run and its batched run use the same matmul shapes, hence the same rounding).

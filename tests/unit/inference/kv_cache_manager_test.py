@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from support import kv_cache_checks
 from maxtext.configs import config_to_dict
 from maxtext.inference.kv_cache_manager import KVCacheManager
-from maxtext.testing import kv_cache_checks
 
 QWEN_RECURRENT = ("layer.0", "layer.1", "layer.2", "layer.4", "layer.5", "layer.6")
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from support import kv_cache_checks, param_checks
 from maxtext.inference import LLM, CompletionOutput, RequestOutput, SamplingParams
-from maxtext.testing import kv_cache_checks, param_checks
 
 EOS = 2  # the byte-level tokenizer's eos id
 BYTE_OFFSET = 3  # byte b is token b + 3 (0, 1, 2 are pad, bos, eos)

@@ -9,13 +9,13 @@ planned ahead is in flight.
 import numpy as np
 import pytest
 
+from support import kv_cache_checks
 from maxtext.configs import load_config
 from maxtext.inference import SamplingParams
 from maxtext.inference import engine as engine_module
 from maxtext.inference.batch import build_batch
 from maxtext.inference.engine import LLMEngine
 from maxtext.inference.scheduler import ScheduledRequest, SchedulerOutput
-from maxtext.testing import kv_cache_checks
 
 # One token bucket (16) and one request bucket (8): every step of a request has the same shapes with or without
 # the overlap, hence the same rounding.

@@ -10,12 +10,12 @@ changes the tokens or trips an assertion, so every test compares with the runner
 import numpy as np
 import pytest
 
+from support import kv_cache_checks
 from maxtext.inference import SamplingParams
 from maxtext.inference.batch import build_batch
 from maxtext.inference.kv_cache_manager import KVCacheManager
 from maxtext.inference.request import Request, RequestStatus
 from maxtext.inference.scheduler import Scheduler
-from maxtext.testing import kv_cache_checks
 
 BLOCK = 4
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from support import kv_cache_checks
 from maxtext.inference import LLM, SamplingParams
 from maxtext.inference import prompts
-from maxtext.testing import kv_cache_checks
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
+from support import kv_cache_checks
 from maxtext.inference import SamplingParams
 from maxtext.inference.kv_cache_manager import KVCacheManager
 from maxtext.inference.request import Request, RequestStatus
 from maxtext.inference.scheduler import Scheduler
-from maxtext.testing import kv_cache_checks
 
 
 def _scheduler(cfg, make_specs, **kwargs):

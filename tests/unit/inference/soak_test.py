@@ -20,6 +20,7 @@ import os
 import numpy as np
 import pytest
 
+from support import kv_cache_checks
 from maxtext.configs import load_config
 from maxtext.inference import SamplingParams
 from maxtext.inference.batch import build_batch
@@ -28,7 +29,6 @@ from maxtext.inference.kv_cache_manager import KVCacheManager
 from maxtext.inference.request import Request
 from maxtext.inference.scheduler import Scheduler
 from maxtext.integration.vllm import kv_cache_spec
-from maxtext.testing import kv_cache_checks
 
 SEED = int(os.environ.get("SOAK_SEED", "0"))
 FAMILIES = ["qwen3-next-tiny", "qwen3.5-tiny", "gemma3-tiny", "kvshare-tiny"]

@@ -1,7 +1,7 @@
 """Conformance with the released tpu-inference 0.32.0: its own pure-JAX references against this package's kernels.
 
 The wheel is fetched once into the cache dir and its reference files are loaded by path (tests/conftest.py,
-`maxtext.testing.tpu_inference_wheel`), never through the package `__init__`. Every batch is random and ragged:
+`support.tpu_inference_wheel` under `tests/`), never through the package `__init__`. Every batch is random and ragged:
 decodes first (as the runner orders them), then fresh prefills and chunked continuations, padded tokens and padded
 request rows, and caches / state slots full of stale values from earlier requests ("dirty" reuse). Outputs agree
 within fp32 tolerances; caches agree exactly (both sides copy the same rows).

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support import reference
+from support.reference import module_params
 from maxtext.layers.attention import Attention, attention_mask, dot_product_attention
 from maxtext.layers.rotary import RopeSpec
-from maxtext.testing import reference
-from maxtext.testing.reference import module_params
 
 D, HQ, HKV, DH = 24, 4, 2, 16
 

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support import reference
+from support.reference import module_params
 from maxtext.layers.gated_delta_net import (
     GatedDeltaNet,
     causal_conv1d,
@@ -14,8 +16,6 @@ from maxtext.layers.gated_delta_net import (
     gdn_gates,
     l2_normalize,
 )
-from maxtext.testing import reference
-from maxtext.testing.reference import module_params
 
 D, NK, NV, HK, HV, K = 32, 2, 4, 16, 24, 4
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support import reference
 from maxtext.configs import ConfigError, load_config
 from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.kernels.backend import default_backend
 from maxtext.kernels.ragged_mamba2 import ragged_mamba2
 from maxtext.layers.mamba2 import Mamba2, grouped_gated_rms_norm, ssd_chunked, ssd_recurrent
-from maxtext.testing import reference
 
 D, NH, HD, N, G, K = 32, 4, 8, 6, 2, 4
 EPS = 1e-6

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support.reference import mlp as ref_mlp
+from support.reference import module_params
 from maxtext.layers.mlp import MLP, clamped_swiglu, get_activation
-from maxtext.testing.reference import mlp as ref_mlp
-from maxtext.testing.reference import module_params
 
 
 def _gelu_tanh(x):

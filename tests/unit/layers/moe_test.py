@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support.reference import module_params
 from maxtext.layers.mlp import get_activation
 from maxtext.kernels.experts import experts_dense, experts_gather
 from maxtext.kernels.cpu import cpu_gemm
 from maxtext.kernels.cpu.backend import CpuBackend
 from maxtext.layers import moe
 from maxtext.layers.moe import MoE, route
-from maxtext.testing.reference import module_params
 
 
 def _silu(x):

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from support import reference
 from maxtext.layers.rotary import RopeSpec, apply_rope, rotate_half
-from maxtext.testing import reference
 
 
 def _ref_inv_freq(rd, theta, rope_type="default", factor=1.0, low=1.0, high=4.0, orig=8192):

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support.param_checks import param_count
+from support.reference import model_forward
 from maxtext.configs import load_config
 from maxtext.models import Transformer, abstract_model, get_flat_params
-from maxtext.testing.param_checks import param_count
-from maxtext.testing.reference import model_forward
 
 TINY = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "kvshare-tiny", "gpt-oss-tiny"]
 HYBRID = ("qwen3-next-tiny", "qwen3.5-tiny")

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support.fake_vllm_config import FakeVllmConfig, fake_vllm_config
+from support.hlo import count_hlo_instructions, count_jaxpr_equations
 from maxtext.configs import ConfigError, load_config
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM, maxtext_config_from_vllm
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
-from maxtext.testing.fake_vllm_config import FakeVllmConfig, fake_vllm_config
-from maxtext.testing.hlo import count_hlo_instructions, count_jaxpr_equations
 
 MAX_REQS = 8
 NUM_BLOCKS = 8

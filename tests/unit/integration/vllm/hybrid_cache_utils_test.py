@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
+from support import hlo
 from maxtext.integration.vllm import hybrid_cache_utils as hcu
-from maxtext.testing import hlo
 
 # Qwen3.5-style hybrid pattern: three Gated DeltaNet layers, then one full-attention layer, twice.
 QWEN35_KINDS = ("linear", "linear", "linear", "full") * 2

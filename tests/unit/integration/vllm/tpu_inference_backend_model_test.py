@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support.fake_tpu_inference import RecordingTpuInference
 from maxtext.configs import load_config
 from maxtext.integration.vllm import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
-from maxtext.testing.fake_tpu_inference import RecordingTpuInference
 
 # Each family compiles two steps (two with the reference backend too): over 10 s on a 2-core CPU.
 pytestmark = pytest.mark.slow

@@ -1,6 +1,6 @@
 """`kernel_backend=tpu_inference` against a recording fake of tpu-inference 0.32.0's two functions.
 
-The fake (`maxtext.testing.fake_tpu_inference`) checks every call against 0.32.0's positional signatures and the
+The fake (`support.fake_tpu_inference`) checks every call against 0.32.0's positional signatures and the
 upstream kernels' shape and dtype rules, and answers with the reference ops (GDN shard by shard, as the upstream
 `shard_map` does), so the results can be compared with the reference backend.
 """
@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from support.fake_tpu_inference import GDN_PARAMETERS, RPA_PARAMETERS, RecordingTpuInference
 from maxtext.integration.vllm import tpu_inference_backend as tib
 from maxtext.integration.vllm.environment import PluginEnvironmentError
 from maxtext.kernels.backend import ReferenceBackend, get_backend
 from maxtext.kernels.kv_cache_layout import get_kv_cache_shape
-from maxtext.testing.fake_tpu_inference import GDN_PARAMETERS, RPA_PARAMETERS, RecordingTpuInference
 
 F32_TOL = 1e-5
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
+from support.benchmark_cli import add_output_flags, emit, positive_int
 
 
 def test_positive_int_takes_integers_of_at_least_one():

@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from maxtext.testing import tpu_inference_wheel as wheel_lib
+from support import tpu_inference_wheel as wheel_lib
 
 
 def test_cache_dir_follows_maxtext_cache_dir(monkeypatch, tmp_path):

@@ -1,10 +1,10 @@
-"""Tests for maxtext.testing.hlo: HLO instruction and jaxpr equation counting."""
+"""Tests for support.hlo: HLO instruction and jaxpr equation counting."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from maxtext.testing import hlo
+from support import hlo
 
 # Hand-written in the layout XLA prints for compiled modules: 3 + 4 instructions, plus a module header, the
 # metadata tables (which contain `=` and braces but are not instructions) and a blank line inside a body.

@@ -1,4 +1,5 @@
-"""The runtime never imports `maxtext.testing`: the fakes, checks and wheel fetcher there are for tests only."""
+"""The runtime never imports the tests' `support` package (tests/support/): the fakes, checks and wheel fetcher there
+are for tests and scripts only, and the wheel does not hold them (`wheel_contents_test.py`)."""
 
 import ast
 import json
@@ -9,7 +10,9 @@ import sys
 
 import pytest
 
-SRC = pathlib.Path(__file__).resolve().parents[3] / "src"
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+SRC = ROOT / "src"
+SUPPORT = ROOT / "tests" / "support"
 RUNTIME_ENTRY_POINTS = (
     "maxtext.decode",
     "maxtext.decode_run",
@@ -35,8 +38,9 @@ print(json.dumps({{"status": status, "tokens": len(tokens), "modules": sorted(sy
 
 
 @pytest.mark.slow  # a fresh interpreter imports JAX and compiles a tiny model's step
-def test_the_runtime_entry_points_import_no_testing_module():
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+def test_the_runtime_entry_points_import_no_support_module():
+  # `support` is importable in the child (tests/ on its path), so an import of it would succeed and be seen.
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
   result = subprocess.run(
       [sys.executable, "-c", _PROGRAM.format(names=RUNTIME_ENTRY_POINTS)],
       capture_output=True,
@@ -49,7 +53,11 @@ def test_the_runtime_entry_points_import_no_testing_module():
   report = json.loads(result.stdout.strip().splitlines()[-1])
   assert report["status"] == 0 and report["tokens"] == 2
   assert set(RUNTIME_ENTRY_POINTS) <= set(report["modules"])  # the program did import what it names
-  assert [m for m in report["modules"] if m == "maxtext.testing" or m.startswith("maxtext.testing.")] == []
+  assert [m for m in report["modules"] if _is_support(m)] == []
+
+
+def _is_support(module: str) -> bool:
+  return module.split(".")[0] == "support"
 
 
 def _imported_modules(path: pathlib.Path) -> set[str]:
@@ -63,16 +71,20 @@ def _imported_modules(path: pathlib.Path) -> set[str]:
   return names
 
 
-def test_no_runtime_module_names_the_testing_package():
+def test_no_runtime_module_names_the_support_package():
   # Static, so an import inside a branch the program above does not reach is caught as well.
   offenders = {}
   for path in sorted((SRC / "maxtext").rglob("*.py")):
-    if "testing" in path.relative_to(SRC / "maxtext").parts:
-      continue
-    bad = sorted(m for m in _imported_modules(path) if m == "maxtext.testing" or m.startswith("maxtext.testing."))
+    bad = sorted(m for m in _imported_modules(path) if _is_support(m))
     if bad:
       offenders[str(path.relative_to(SRC))] = bad
   assert not offenders
   # The walk does see the package's imports (a parser that found nothing would pass the check above).
-  assert "maxtext.testing.kv_cache_checks" not in _imported_modules(SRC / "maxtext" / "inference" / "engine.py")
-  assert "maxtext.inference.kv_cache_manager" in _imported_modules(SRC / "maxtext" / "testing" / "kv_cache_checks.py")
+  assert "support.kv_cache_checks" not in _imported_modules(SRC / "maxtext" / "inference" / "engine.py")
+  assert "maxtext.inference.kv_cache_manager" in _imported_modules(SUPPORT / "kv_cache_checks.py")
+  assert _is_support("support.kv_cache_checks") and not _is_support("maxtext.inference.kv_cache_manager")
+
+
+def test_the_package_holds_no_testing_folder():
+  # The helpers' former home inside the package, which put them in the wheel.
+  assert not (SRC / "maxtext" / "testing").exists()

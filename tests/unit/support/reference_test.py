@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from maxtext.testing import reference
+from support import reference
 
 
 def test_activations_and_norm_closed_forms():

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import fcntl
 import importlib.util
-import os
 import pathlib
 import shutil
 import subprocess
@@ -26,6 +25,8 @@ import zipfile
 from typing import Any, Callable
 from unittest import mock
 
+from maxtext import user_cache
+
 TPU_INFERENCE_VERSION = "0.32.0"
 KV_CACHE_MANAGER = "tpu_inference/runner/kv_cache_manager.py"
 _RPA_DIR = "tpu_inference/kernels/ragged_paged_attention/v3"
@@ -35,8 +36,7 @@ _PIP_TIMEOUT_S = 600
 
 def cache_dir() -> pathlib.Path:
   """Where the wheel and its unpacked files are kept: `$MAXTEXT_CACHE_DIR`, else `~/.cache/maxtext`."""
-  root = os.environ.get("MAXTEXT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "maxtext")
-  return pathlib.Path(root) / f"tpu-inference-{TPU_INFERENCE_VERSION}"
+  return user_cache.folder(f"tpu-inference-{TPU_INFERENCE_VERSION}")
 
 
 def fetch_wheel_source(root: pathlib.Path | None = None) -> pathlib.Path:

@@ -44,6 +44,7 @@ import ml_collections
 import numpy as np
 import tqdm
 
+from maxtext import user_cache
 from maxtext.checkpoint import gguf_format, hf_config, hf_layout
 from maxtext.configs import families, load_config
 
@@ -523,7 +524,7 @@ _MERGES_VERSION = "vocabulary-order-1"
 def merges_cache_folder() -> Path:
   """Where `cached_vocabulary_order_merges` keeps merges: `tokenizers/` in this package's cache folder
   (`$MAXTEXT_CACHE_DIR`, else `~/.cache/maxtext`)."""
-  return Path(os.environ.get("MAXTEXT_CACHE_DIR") or Path.home() / ".cache" / "maxtext").expanduser() / "tokenizers"
+  return user_cache.folder("tokenizers")
 
 
 def cached_vocabulary_order_merges(pieces: Sequence[str], folder: Path | None = None) -> list[tuple[str, str]]:

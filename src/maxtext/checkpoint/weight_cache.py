@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -49,9 +48,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+
+from maxtext import user_cache
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,6 @@ RUNTIME_KEYS = frozenset(
 )
 # The package folders whose sources decide what a checkpoint's prepared arrays hold.
 _CODE_FOLDERS = ("checkpoint", "configs", "kernels", "layers", "models")
-_CODE_SUFFIXES = (".py", ".yml", ".cc", ".h")
 
 
 def default_folder() -> Path:
@@ -93,7 +92,7 @@ def default_folder() -> Path:
   explicit = os.environ.get("MAXTEXT_WEIGHT_CACHE_DIR")
   if explicit:
     return Path(explicit).expanduser()
-  return Path(os.environ.get("MAXTEXT_CACHE_DIR") or Path.home() / ".cache" / "maxtext").expanduser() / "weights"
+  return user_cache.folder("weights")
 
 
 def _stat_identity(path: str) -> list[int]:
@@ -145,19 +144,10 @@ def source_digest(path: str | os.PathLike, memo_folder: str | os.PathLike | None
   return combined.hexdigest()
 
 
-@functools.cache
 def code_digest() -> str:
-  """A SHA-256 of this package's sources that convert and lay out parameters, and of the library versions."""
-  package = Path(__file__).resolve().parents[1]
-  combined = hashlib.sha256()
-  for folder in _CODE_FOLDERS:
-    for path in sorted((package / folder).rglob("*")):
-      if path.suffix in _CODE_SUFFIXES and path.is_file():
-        combined.update(path.relative_to(package).as_posix().encode("utf-8") + b"\0" + path.read_bytes() + b"\0")
-  from maxtext import __version__  # pylint: disable=import-outside-toplevel  # the package imports this module
-
-  combined.update(f"maxtext {__version__} jax {jax.__version__} numpy {np.__version__}".encode("utf-8"))
-  return combined.hexdigest()
+  """A SHA-256 of this package's sources that convert and lay out parameters, and of the library versions
+  (`user_cache.sources_digest`)."""
+  return user_cache.sources_digest(_CODE_FOLDERS)
 
 
 def backend_fingerprint(backend: Any) -> dict[str, Any]:

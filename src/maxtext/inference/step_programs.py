@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from jax.experimental import serialize_executable
 
+from maxtext import user_cache
 from maxtext.checkpoint import weight_cache
 
 logger = logging.getLogger(__name__)
@@ -87,18 +87,10 @@ MAX_BYTES = 1 << 30  # the folder's size limit: least recently used programs are
 PRELOAD_LIMIT = 4
 
 
-@functools.cache
 def package_digest() -> str:
-  """A SHA-256 of every source of this package (`.py`, `.yml`, `.cc`, `.h`) and of the library versions."""
-  package = Path(__file__).resolve().parents[1]
-  combined = hashlib.sha256()
-  for path in sorted(package.rglob("*")):
-    if path.suffix in (".py", ".yml", ".cc", ".h") and path.is_file():
-      combined.update(path.relative_to(package).as_posix().encode("utf-8") + b"\0" + path.read_bytes() + b"\0")
-  import jaxlib  # pylint: disable=import-outside-toplevel  # only its version
-
-  combined.update(f"jax {jax.__version__} jaxlib {jaxlib.__version__} numpy {np.__version__}".encode("utf-8"))
-  return combined.hexdigest()
+  """A SHA-256 of every source of this package and of the library versions (`user_cache.sources_digest`): any
+  change of the code may change a traced program."""
+  return user_cache.sources_digest()
 
 
 @functools.cache

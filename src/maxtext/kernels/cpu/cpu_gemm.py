@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxtext import user_cache
+
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
@@ -111,7 +113,7 @@ def cache_dir() -> Path:
 
   The same cache folder and variable as the other files this package keeps (the tests' tpu-inference wheel).
   """
-  return Path(os.environ.get("MAXTEXT_CACHE_DIR") or Path.home() / ".cache" / "maxtext") / "kernels"
+  return user_cache.folder("kernels")
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:

@@ -6,11 +6,13 @@ mixer class of the kind:
   - `param_name`: the attribute of the decoder layer that holds it, which is also its checkpoint prefix
     (`layers.{i}.<param_name>.*`);
   - `from_config(cfg, layer_index, rngs=)`: build it from the config;
-  - `__call__(x, positions, shared_kv, chunked=)`: the dense full-sequence forward;
   - `paged(x, positions, cache, md, backend)`: the runner-path forward over its own cache and metadata, reaching
     kernels only through the kernel backend;
   - `cache_spec(cfg, layer_index)`: the cache it asks the runner for, whose `validate(name, cache, slot)` checks
     the slot it is handed.
+A mixer may also define `__call__(x, positions, shared_kv, chunked=)`, the dense full-sequence forward. It is not
+part of the protocol: the runner and vLLM only call `paged`; the tests' dense reference (`Transformer.__call__`)
+calls it, and raises `NotImplementedError` for a kind without one.
 `register_mixer(cls)` declares the class's names as layer kinds (so configs accept them) and makes the model, the
 cache specs and the reference runner use it. Adding a kind is one module with one such class and one
 `register_mixer` call, plus its config keys and its checkpoint mapping; docs/architecture.md walks through one.
@@ -40,8 +42,11 @@ class Mixer(nnx.Module):
       def from_config(cls, cfg, layer_index: int, *, rngs: nnx.Rngs) -> Mixer
       @classmethod
       def cache_spec(cls, cfg, layer_index: int) -> AttentionSpec | RecurrentSpec
-      def __call__(self, x [B, T, D], positions [B, T], shared_kv=None, *, chunked=True) -> (y [B, T, D], kv | None)
       def paged(self, x [T, D], positions [T], cache, md, backend) -> (y [T, D], cache after the step)
+
+  and, optionally, the dense forward the tests compare `paged` with:
+
+      def __call__(self, x [B, T, D], positions [B, T], shared_kv=None, *, chunked=True) -> (y [B, T, D], kv | None)
 
   `shared_kv` is the source layer's K/V for KV-sharing attention layers (others raise if given one); `chunked`
   picks the full-sequence form of recurrent kinds.
@@ -51,9 +56,23 @@ class Mixer(nnx.Module):
   cache_kind: ClassVar[str] = ""
   param_name: ClassVar[str] = ""
 
+  def __call__(  # pylint: disable=arguments-differ  # nnx call hook
+      self, x: jax.Array, positions: jax.Array, shared_kv: KV | None = None, *, chunked: bool = True
+  ) -> tuple[jax.Array, KV | None]:
+    """The dense full-sequence forward, which a kind may leave out (see the class docstring).
+
+    Raises:
+      NotImplementedError: this kind has none.
+    """
+    del x, positions, shared_kv, chunked
+    raise NotImplementedError(
+        f"{type(self).__name__} has no dense full-sequence forward (__call__); the runner path is paged(), and only"
+        " the tests' dense reference (Transformer.__call__) needs __call__"
+    )
+
 
 _MIXERS: dict[str, type[Mixer]] = {}
-PROTOCOL_METHODS = ("from_config", "cache_spec", "__call__", "paged")
+PROTOCOL_METHODS = ("from_config", "cache_spec", "paged")
 
 
 def register_mixer(cls: type[Mixer]) -> type[Mixer]:

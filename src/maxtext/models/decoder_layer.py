@@ -118,7 +118,7 @@ class DecoderLayer(nnx.Module):
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
       self, x: jax.Array, positions: jax.Array, shared_kv: KV | None = None, *, gdn_chunked: bool = True
   ) -> tuple[jax.Array, KV | None]:
-    """Dense full-sequence layer.
+    """Dense full-sequence layer (`Transformer.__call__`, the tests' reference; the runners call `paged`).
 
     Args:
       x: `[B, T, D]` residual stream.

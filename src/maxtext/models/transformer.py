@@ -166,7 +166,8 @@ class Transformer(nnx.Module):
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
       self, tokens: jax.Array, positions: jax.Array | None = None, *, gdn_chunked: bool = True
   ) -> jax.Array:
-    """Dense causal forward.
+    """Dense causal forward: the tests' reference for the paged path (the runners call `forward_paged`); every
+    layer's mixer must define the optional dense forward (`layers/mixer.py`).
 
     Args:
       tokens: `[B, T]` int32 ids.

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from maxtext.integration.vllm import hybrid_cache_utils as hcu
+from maxtext.kv_cache import hybrid_cache_utils as hcu
 from maxtext.testing import hlo
 from maxtext.testing.benchmark_cli import add_output_flags, emit, positive_int
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtext.integration.vllm import hybrid_cache_utils as hcu
+from maxtext.kv_cache import hybrid_cache_utils as hcu
 from maxtext.testing import hlo
 
 LINEAR, FULL = "linear_attention", "full_attention"

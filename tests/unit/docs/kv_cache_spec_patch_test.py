@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from maxtext.configs import load_config
-from maxtext.integration.vllm.kv_cache_spec_data import kv_cache_spec_data
-from maxtext.kernels import kv_cache_layout
+from maxtext.kv_cache.kv_cache_spec_data import kv_cache_spec_data
+from maxtext.kv_cache import kv_cache_layout
 from maxtext.testing import tpu_inference_wheel
 
 _PATCH = pathlib.Path(__file__).resolve().parents[3] / "docs" / "tpu-inference-kv-cache-spec.patch"

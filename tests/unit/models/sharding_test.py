@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxtext.configs import ConfigError, load_config
 from maxtext.inference import LLM, SamplingParams
-from maxtext.integration.vllm import kv_cache_spec
+from maxtext.kv_cache import kv_cache_spec
 from maxtext.models import Transformer, flat_param_shapes, get_flat_params, sharding
 from maxtext.testing.param_checks import param_count, params_are_sharded_as_configured
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from maxtext.configs import ConfigError, load_config
-from maxtext.integration.vllm import kv_cache_spec
+from maxtext.kv_cache import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM, maxtext_config_from_vllm
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
 from maxtext.testing.fake_vllm_config import FakeVllmConfig, fake_vllm_config

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from maxtext.configs import load_config
-from maxtext.integration.vllm import kv_cache_spec
+from maxtext.kv_cache import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
 from maxtext.testing.fake_tpu_inference import RecordingTpuInference

@@ -16,7 +16,7 @@ import pytest
 from maxtext.integration.vllm import tpu_inference_backend as tib
 from maxtext.integration.vllm.environment import PluginEnvironmentError
 from maxtext.kernels.backend import ReferenceBackend, get_backend
-from maxtext.kernels.kv_cache_layout import get_kv_cache_shape
+from maxtext.kv_cache.kv_cache_layout import get_kv_cache_shape
 from maxtext.testing.fake_tpu_inference import GDN_PARAMETERS, RPA_PARAMETERS, RecordingTpuInference
 
 F32_TOL = 1e-5

@@ -42,7 +42,7 @@ from maxtext.inference import LLM, SamplingParams
 from maxtext.inference.engine import make_kv_cache_manager
 from maxtext.inference.kv_cache_capacity import cache_bytes
 from maxtext.inference.kv_cache_manager import ATTENTION, KVCacheManager
-from maxtext.integration.vllm import kv_cache_spec
+from maxtext.kv_cache import kv_cache_spec
 
 CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
 # name -> config overrides (model_name first)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from support import hlo
 from support.benchmark_cli import add_output_flags, emit, positive_int
-from maxtext.integration.vllm import hybrid_cache_utils as hcu
+from maxtext.kv_cache import hybrid_cache_utils as hcu
 
 LAYOUTS = ("direct", "identity", "hybrid", "shuffled")
 FULL_ATTENTION_INTERVAL = 4  # layer i is full attention iff (i + 1) % 4 == 0, else a GDN layer

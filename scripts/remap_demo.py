@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from support import hlo
-from maxtext.integration.vllm import hybrid_cache_utils as hcu
+from maxtext.kv_cache import hybrid_cache_utils as hcu
 
 LINEAR, FULL = "linear_attention", "full_attention"
 LAYER_KINDS = (LINEAR, LINEAR, LINEAR, FULL, LINEAR, LINEAR, LINEAR, FULL, FULL)

@@ -247,7 +247,7 @@ def _kv_bytes_read(settings: Settings, model: str, chips: int, batch: int, conte
   """KV-cache bytes one chip reads in a decode step: every attention layer's keys and values of each request's
   `context` tokens, a sliding-window layer only its window's."""
   # pylint: disable=import-outside-toplevel
-  from maxtext.integration.vllm import kv_cache_spec
+  from maxtext.kv_cache import kv_cache_spec
 
   cfg = settings.run_config(model, chips)
   total = 0.0

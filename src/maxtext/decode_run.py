@@ -26,7 +26,7 @@ from maxtext.inference.prompts_file import FilePrompt, read_prompts_file
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import RequestNeverFitsError
 from maxtext.inference.streaming import TextStreamer
-from maxtext.integration.vllm import kv_cache_spec
+from maxtext.kv_cache import kv_cache_spec
 from maxtext.integration.vllm.environment import PluginEnvironmentError
 
 # Errors that mean "the input is wrong", reported as one line with exit status 2. Anything else is a bug: traceback.

@@ -16,8 +16,8 @@ from flax import nnx
 from support import kv_cache_checks, param_checks
 from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
-from maxtext.integration.vllm import kv_cache_spec
-from maxtext.kernels.cache_spec import RecurrentSpec
+from maxtext.kv_cache import kv_cache_spec
+from maxtext.kv_cache.cache_spec import RecurrentSpec
 from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.mixer import Mixer, register_mixer
 from maxtext.models import Transformer

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtext.kernels.backend import ReferenceBackend
-from maxtext.kernels.kv_cache_layout import get_kv_cache_shape
+from maxtext.kv_cache.kv_cache_layout import get_kv_cache_shape
 
 RPA_PARAMETERS = (
     "mesh",

@@ -14,7 +14,7 @@ import pytest
 
 import cases
 
-# The replica forms vLLM's groups and tpu-inference's shared arrays (src/maxtext/inference/kv_cache_groups.py); the
+# The replica forms vLLM's groups and tpu-inference's shared arrays (src/maxtext/kv_cache/kv_cache_groups.py); the
 # runner's recorded layout must equal it exactly (docs/runner-contract.md, "The replica and the real runner").
 _SPEC_KINDS = {"FullAttentionSpec": "attention", "SlidingWindowSpec": "attention", "MambaSpec": "recurrent"}
 

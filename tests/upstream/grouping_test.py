@@ -21,7 +21,7 @@ def _vllm_specs(cfg) -> dict:
   # pylint: disable=import-outside-toplevel  # imported in the test process, after the tier's environment is set
   from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-  from maxtext.integration.vllm import kv_cache_spec
+  from maxtext.kv_cache import kv_cache_spec
 
   ours = kv_cache_spec.get_kv_cache_specs(cfg)
   out, page = {}, None
@@ -82,7 +82,7 @@ def test_vllms_rule_on_layer_patterns(pattern):
   # pylint: disable=import-outside-toplevel  # see above
   from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-  from maxtext.inference.kv_cache_groups import plan_groups
+  from maxtext.kv_cache.kv_cache_groups import plan_groups
 
   common = {"block_size": 16, "num_kv_heads": 2, "head_size": 128, "dtype": torch.float32}
   full, sliding = FullAttentionSpec(**common), SlidingWindowSpec(**common, sliding_window=128)

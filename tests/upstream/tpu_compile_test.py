@@ -111,7 +111,7 @@ def test_cache_shapes_are_tpu_inferences_own(kv_heads, head_dim, dtype, tp):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from tpu_inference.runner.kv_cache import get_kv_cache_shape_with_mesh  # pylint: disable=import-outside-toplevel
 
-  from maxtext.kernels.kv_cache_layout import get_kv_cache_shape, get_padded_num_heads  # pylint: disable=C0415
+  from maxtext.kv_cache.kv_cache_layout import get_kv_cache_shape, get_padded_num_heads  # pylint: disable=C0415
 
   tc.install()
   padded = get_padded_num_heads(kv_heads, tp)

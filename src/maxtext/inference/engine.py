@@ -30,8 +30,8 @@ from maxtext.inference.request import Request, RequestStatus
 from maxtext.inference.sampler import Sampler, TokenLogprobs
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from maxtext.integration.vllm import kv_cache_spec
-from maxtext.integration.vllm.adapter import MaxTextForCausalLM
+from maxtext.kv_cache import kv_cache_spec
+from maxtext.causal_lm import CausalLM
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
 from maxtext.kernels.backend import device_default_name
 from maxtext.models import sharding
@@ -178,7 +178,7 @@ class LLMEngine:
   `compilation_cache_dir` for later runs (`compilation_cache.configure`).
 
   Args:
-    cfg: the run's config. The model is built from its model keys alone (`MaxTextForCausalLM.from_config`); the
+    cfg: the run's config. The model is built from its model keys alone (`CausalLM.from_config`); the
       engine itself also reads the run options it owns (`run_options.RUNNER_KEYS`, and `seed`).
     eos_token_id: the token that finishes a request, or None.
 
@@ -200,7 +200,7 @@ class LLMEngine:
     # Host memory only: on a CPU mesh the parameters and caches live in this process's memory; a TPU's are not.
     self.memory_need = memory_budget.check_fits(cfg) if all(d.platform == "cpu" for d in self.mesh.devices.flat) else None
     rng_key = jax.random.key(cfg.init_seed)
-    self.model = MaxTextForCausalLM.from_config(cfg, rng_key, self.mesh)  # the model's keys only
+    self.model = CausalLM.from_config(cfg, rng_key, self.mesh)  # the model's keys only
     self.manager = make_kv_cache_manager(cfg)
     self.layer_map = self.manager.layer_name_to_kvcache_index
     self.recurrent_slots = self.manager.recurrent_slot_indices

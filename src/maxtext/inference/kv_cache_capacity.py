@@ -16,7 +16,7 @@ from typing import Any
 import ml_collections
 
 from maxtext.configs import config_to_dict
-from maxtext.inference.kv_cache_groups import ATTENTION, cdiv
+from maxtext.kv_cache.kv_cache_groups import ATTENTION, cdiv
 from maxtext.inference.kv_cache_manager import KVCacheManager
 from maxtext.inference.prefix_cache import first_window_block
 

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from maxtext.configs.derived import state_block_size
 from maxtext.configs.layer_kinds import ATTENTION_CACHE, RECURRENT_CACHE, get_layer_kind
 from maxtext.inference.block_pool import NULL_BLOCK, BlockPool
-from maxtext.inference.kv_cache_groups import (
+from maxtext.kv_cache.kv_cache_groups import (
     CacheSlot,
     KVCacheGroup,
     cdiv,
@@ -59,7 +59,7 @@ from maxtext.inference.kv_cache_groups import (
 from maxtext.inference import prefix_cache
 from maxtext.inference.prefix_cache import PrefixHit, extend_block_hashes
 from maxtext.inference.state_slots import StateSlotPool
-from maxtext.integration.vllm import hybrid_cache_utils
+from maxtext.kv_cache import hybrid_cache_utils
 
 logger = logging.getLogger(__name__)
 

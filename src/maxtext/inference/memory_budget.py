@@ -24,7 +24,7 @@ import numpy as np
 from maxtext.checkpoint import source
 from maxtext.configs import ConfigError
 from maxtext.inference.kv_cache_manager import KVCacheManager
-from maxtext.integration.vllm import kv_cache_spec
+from maxtext.kv_cache import kv_cache_spec
 from maxtext.models import flat_param_shapes
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtext.kernels import kv_cache_layout
+from maxtext.kv_cache import kv_cache_layout
 from maxtext.kernels import ragged_batch
 
 # Upper bound on the gathered pages and scores of the work items vectorised together (bytes); sets `items_per_batch`.

@@ -18,8 +18,8 @@ from maxtext.configs.errors import ConfigError
 from maxtext.configs.layer_kinds import ATTENTION_CACHE, FULL_ATTENTION, SLIDING_ATTENTION
 from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.kernels.backend import KernelBackend
-from maxtext.kernels.cache_spec import AttentionSpec, kv_cache_dtype
-from maxtext.kernels.kv_cache_layout import get_padded_num_heads
+from maxtext.kv_cache.cache_spec import AttentionSpec, kv_cache_dtype
+from maxtext.kv_cache.kv_cache_layout import get_padded_num_heads
 from maxtext.layers.initializers import draw_key, uniform
 from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mixer import KV, Mixer, register_mixer

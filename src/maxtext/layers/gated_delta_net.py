@@ -17,7 +17,7 @@ from maxtext.configs.derived import state_block_size
 from maxtext.configs.layer_kinds import LINEAR_ATTENTION, RECURRENT_CACHE
 from maxtext.kernels.attention_metadata import AttentionMetadata, recurrent_state_indices
 from maxtext.kernels.backend import KernelBackend
-from maxtext.kernels.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
+from maxtext.kv_cache.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
 from maxtext.layers.initializers import computed, constant, draw_key, fan_in_uniform, uniform
 from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mixer import KV, Mixer, register_mixer

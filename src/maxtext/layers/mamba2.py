@@ -21,7 +21,7 @@ from maxtext.configs.derived import state_block_size
 from maxtext.configs.layer_kinds import MAMBA, RECURRENT_CACHE
 from maxtext.kernels.attention_metadata import AttentionMetadata, recurrent_state_indices
 from maxtext.kernels.backend import KernelBackend
-from maxtext.kernels.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
+from maxtext.kv_cache.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
 from maxtext.layers.gated_delta_net import causal_conv1d
 from maxtext.layers.initializers import ShapeOnlyRngs, computed, constant, draw_key, fan_in_uniform, uniform
 from maxtext.layers.linears import DenseGeneral, project

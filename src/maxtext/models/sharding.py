@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtext.configs.derived import MESH_AXIS_KEYS
 from maxtext.configs.errors import ConfigError
-from maxtext.kernels.cache_spec import AttentionSpec, KVCacheSpec
+from maxtext.kv_cache.cache_spec import AttentionSpec, KVCacheSpec
 from maxtext.models.params import assign_params, flat_param_shapes, get_flat_params
 from maxtext.models.transformer import Transformer, abstract_model
 

@@ -8,6 +8,7 @@ from flax import nnx
 
 from maxtext.checkpoint import hf, load_model, load_run_config, model_loader, save_params, source
 from maxtext.configs import ConfigError, load_config
+from maxtext import causal_lm
 from maxtext.integration.vllm import adapter
 from maxtext.models import Transformer, abstract_model, get_flat_params
 
@@ -67,8 +68,9 @@ def test_hf_model_path_fills_a_given_abstract_model_in_place(hf_checkpoint):
 
 
 @pytest.mark.hf
-def test_the_adapter_traces_its_model_once_when_loading_a_folder(hf_checkpoint, monkeypatch):
-  """The adapter's constructor builds the abstract model; loading fills that one instead of tracing another."""
+@pytest.mark.parametrize("model_class", [causal_lm.CausalLM, adapter.MaxTextForCausalLM])
+def test_the_runner_model_traces_its_model_once_when_loading_a_folder(hf_checkpoint, monkeypatch, model_class):
+  """The model's constructor builds the abstract model; loading fills that one instead of tracing another."""
 
   folder, _ = hf_checkpoint("qwen3_tied")
   cfg = hf.load_hf_config(folder)
@@ -78,9 +80,9 @@ def test_the_adapter_traces_its_model_once_when_loading_a_folder(hf_checkpoint, 
     calls.append(c)
     return abstract_model(c)
 
-  monkeypatch.setattr(adapter, "abstract_model", counted)
+  monkeypatch.setattr(causal_lm, "abstract_model", counted)
   monkeypatch.setattr(source, "abstract_model", counted)
-  model = adapter.MaxTextForCausalLM.from_config(cfg, None)
+  model = model_class.from_config(cfg, None)
   model.load_weights(None)
   assert len(calls) == 1
   _assert_same(get_flat_params(model.model), hf.load_hf_params(folder, cfg))

@@ -19,8 +19,8 @@ import pytest
 
 from support import tpu_inference_wheel
 from maxtext.configs import load_config
-from maxtext.integration.vllm.kv_cache_spec_data import kv_cache_spec_data
-from maxtext.kernels import kv_cache_layout
+from maxtext.kv_cache.kv_cache_spec_data import kv_cache_spec_data
+from maxtext.kv_cache import kv_cache_layout
 
 _PATCH = pathlib.Path(__file__).resolve().parents[3] / "docs" / "tpu-inference-kv-cache-spec.patch"
 

@@ -1,6 +1,6 @@
 """Fixtures of the reference-runner tests: tiny hybrid configs and fake KV-cache specs.
 
-The fake specs have the fields and methods the KV-cache manager reads of `maxtext.kernels.cache_spec`'s specs,
+The fake specs have the fields and methods the KV-cache manager reads of `maxtext.kv_cache.cache_spec`'s specs,
 written here independently from the runner's cache shape `(N, bs, align(2*Hkv, pk)/pk, pk, align(head_dim, 128))`.
 """
 

@@ -28,7 +28,7 @@ from maxtext.inference.engine import LLMEngine
 from maxtext.inference.kv_cache_manager import KVCacheManager
 from maxtext.inference.request import Request
 from maxtext.inference.scheduler import Scheduler
-from maxtext.integration.vllm import kv_cache_spec
+from maxtext.kv_cache import kv_cache_spec
 
 SEED = int(os.environ.get("SOAK_SEED", "0"))
 FAMILIES = ["qwen3-next-tiny", "qwen3.5-tiny", "gemma3-tiny", "kvshare-tiny"]

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from maxtext.kernels.cache_spec import RecurrentSpec
+from maxtext.kv_cache.cache_spec import RecurrentSpec
 from maxtext.layers import mixer
 from maxtext.layers.attention import Attention
 from maxtext.layers.gated_delta_net import GatedDeltaNet

@@ -17,7 +17,7 @@ from flax import nnx
 
 from maxtext.configs import available_models, load_config
 from maxtext.inference.batch import next_power_of_two
-from maxtext.integration.vllm import kv_cache_spec
+from maxtext.kv_cache import kv_cache_spec
 from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.kernels.backend import default_backend
 from maxtext.models import Transformer, assign_params, get_flat_params

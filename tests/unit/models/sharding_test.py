@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from support.param_checks import param_count, params_are_sharded_as_configured
 from maxtext.configs import ConfigError, load_config
 from maxtext.inference import LLM, SamplingParams
-from maxtext.integration.vllm import kv_cache_spec
+from maxtext.kv_cache import kv_cache_spec
 from maxtext.models import Transformer, flat_param_shapes, get_flat_params, sharding
 
 TINY = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "kvshare-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "gpt-oss-tiny"]

@@ -1,15 +1,9 @@
-"""`MaxTextForCausalLM`: this package's model behind tpu-inference's positional calling contract.
+"""`MaxTextForCausalLM`: the model (`maxtext.causal_lm.CausalLM`) as tpu-inference's runner builds it.
 
-The runner builds the class as `cls(vllm_config, rng_key, mesh)` and calls, inside `jax.jit` with `kv_caches`
-donated and the map static,
-
-    __call__(kv_caches, input_ids, attention_metadata, inputs_embeds, input_positions,
-             layer_name_to_kvcache_index, lora_metadata, intermediate_tensors, is_first_rank, is_last_rank)
-
-returning `(kv_caches, hidden [T, D], aux_hidden_states, expert_indices)` (docs/runner-contract.md). The
-physical `kv_caches` list is in the runner's order; the map says which slot each `layer.<i>` uses. Resolution,
-gathering and scattering are plain Python over traced values (`hybrid_cache_utils`), so the remap adds no XLA
-operation. Every runner op goes through the kernel backend that `kernel_backend` names, built with the mesh.
+The runner builds the class as `cls(vllm_config, rng_key, mesh)` and calls the contract `CausalLM` implements
+(docs/runner-contract.md). This module keeps what only vLLM needs: the model's config read from a `VllmConfig`
+(`maxtext_config_from_vllm`), that constructor, the cache specs as plain data for a runner that asks, and the module
+walk vLLM's engine does at cleanup. The plugin (`plugin.py`) registers this class.
 """
 
 from __future__ import annotations
@@ -19,21 +13,16 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from maxtext.checkpoint import load_model, load_run_config, source
+from maxtext.causal_lm import CHECKPOINT_KEYS, CausalLM
+from maxtext.checkpoint import load_run_config
 from maxtext.configs import run_options
-from maxtext.integration.vllm import hybrid_cache_utils, kv_cache_spec, kv_cache_spec_data
-from maxtext.kernels.attention_metadata import AttentionMetadata, metadata_for_layers, normalize_positions
-from maxtext.kernels.backend import get_backend
-from maxtext.models import Transformer, abstract_model, sharding
+from maxtext.kv_cache import kv_cache_spec_data
 
 MAXTEXT_CONFIG_KEY = "maxtext_config"
 DUMMY_LOAD_FORMAT = "dummy"
-# The config keys that name a checkpoint; with none of them (and no model_name) vLLM's model folder is the source.
-CHECKPOINT_KEYS = source.SOURCE_KEYS
 RUNNER_DTYPES = ("float32", "bfloat16")
 
 
@@ -109,8 +98,8 @@ def _runner_dtype(vllm_config: Any) -> str | None:
   return name
 
 
-class MaxTextForCausalLM(nnx.Module):
-  """The runner-facing model: resolves the cache map, runs the paged decoder, returns the runner's 4-tuple."""
+class MaxTextForCausalLM(CausalLM):
+  """`CausalLM` built from the runner's `vllm_config`, with the methods only vLLM calls."""
 
   def __init__(
       self,
@@ -132,26 +121,19 @@ class MaxTextForCausalLM(nnx.Module):
       TypeError: both or neither of `vllm_config` and `built_config`, or `built_config` is not a built config.
     """
     self.vllm_config = vllm_config
-    self.mesh = mesh
     if built_config is None:
       if vllm_config is None:
         raise TypeError("MaxTextForCausalLM needs a vllm_config (or a built config, through from_config)")
-      self.cfg = maxtext_config_from_vllm(vllm_config)
-      self.is_dummy = _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT
+      cfg = maxtext_config_from_vllm(vllm_config)
+      is_dummy = _attr(vllm_config, "load_config.load_format") == DUMMY_LOAD_FORMAT
     else:
       if vllm_config is not None:
         raise TypeError("MaxTextForCausalLM takes a vllm_config or a built_config, not both")
-      self.cfg = run_options.model_config(built_config)
-      self.is_dummy = not any(self.cfg[key] for key in CHECKPOINT_KEYS)
+      cfg = run_options.model_config(built_config)
+      is_dummy = not any(cfg[key] for key in CHECKPOINT_KEYS)
     # A backend's options are run options (`cpu_weight_panels`, ...): read from the run's config when there is one;
     # under vLLM, which carries none, the backend keeps its defaults.
-    self.backend = get_backend(self.cfg.kernel_backend, mesh, built_config)
-    self.num_layers = self.cfg.base_num_decoder_layers
-    if self.is_dummy:
-      # With dummy weights the runner never calls load_weights; upstream MaxText initialises here too.
-      self.load_weights(rng_key)
-    else:
-      self.model = abstract_model(self.cfg)
+    super().__init__(cfg, rng_key, mesh, is_dummy=is_dummy, run_config=built_config)
 
   @classmethod
   def from_config(
@@ -166,154 +148,6 @@ class MaxTextForCausalLM(nnx.Module):
       TypeError: `cfg` is not a built config.
     """
     return cls(None, rng_key, mesh, built_config=cfg)
-
-  @property
-  def is_sharded(self) -> bool:
-    """Whether the model runs on a mesh of more than one device."""
-    return self.mesh is not None and self.mesh.size > 1
-
-  def load_weights(self, rng_key: jax.Array) -> None:
-    """Creates the parameters: random from `rng_key` (dummy), else from `load_parameters_path`, `hf_model_path` or
-    `gguf_model_path`.
-
-    On a mesh of several devices random parameters are created directly in their shardings, and loaded ones are
-    placed there one parameter at a time (`maxtext.models.sharding`).
-
-    Raises:
-      ValueError: real weights were asked for but neither checkpoint source is configured.
-    """
-    cfg = self.cfg
-    if self.is_dummy:
-      if self.is_sharded:
-        self.model = sharding.create_sharded_model(cfg, self.mesh, rng_key)
-      else:
-        self.model = Transformer(cfg, rngs=nnx.Rngs(params=rng_key))
-      return
-    if source.weights_source(cfg) is None:
-      raise ValueError(
-          "load_format is not 'dummy' but none of load_parameters_path (Orbax), hf_model_path and gguf_model_path"
-          " is set in additional_config['maxtext_config']"
-      )
-    model = load_model(cfg, into=self.model)  # the constructor's abstract model: no second trace of it
-    self.model = sharding.shard_model(model, cfg, self.mesh) if self.is_sharded else model
-
-  def kv_cache_shardings(self, kv_caches: list[Any]) -> list[Any]:
-    """The runner's sharding of every physical cache (a tuple per recurrent slot), or None without a mesh.
-
-    The owner of each slot is any layer whose spec matches the cache's kind; all slots of one kind are laid out
-    alike, so the spec of the first layer of that kind gives the sharding.
-    """
-    if not self.is_sharded:
-      return [None] * len(kv_caches)
-    specs = [kv_cache_spec.get_layer_spec(self.cfg, i) for i in range(self.num_layers)]
-    attention = next((s for s in specs if s.cache_kind == "attention"), None)
-    recurrent = next((s for s in specs if s.cache_kind == "recurrent"), None)
-    out = []
-    for slot, cache in enumerate(kv_caches):
-      where = f"kv_caches[{slot}]"
-      if isinstance(cache, (tuple, list)):
-        out.append(tuple(sharding.cache_sharding(recurrent, c.shape, self.mesh, where) for c in cache))
-      else:
-        out.append(sharding.cache_sharding(attention, cache.shape, self.mesh, where))
-    return out
-
-  def shard_kv_caches(self, kv_caches: list[Any]) -> list[Any]:
-    """Places freshly allocated caches in the runner's shardings (unchanged without a mesh)."""
-    if not self.is_sharded:
-      return list(kv_caches)
-    return jax.tree_util.tree_map(jax.device_put, list(kv_caches), self.kv_cache_shardings(kv_caches))
-
-  # The runner's positional contract fixes this signature (keywords with defaults, then *args): see
-  # docs/runner-contract.md.
-  def __call__(  # pylint: disable=arguments-differ,keyword-arg-before-vararg
-      self,
-      kv_caches: list[Any],
-      input_ids: jax.Array | None,
-      attention_metadata: AttentionMetadata | Mapping[str, AttentionMetadata],
-      inputs_embeds: jax.Array | None = None,
-      input_positions: jax.Array | None = None,
-      layer_name_to_kvcache_index: Any = None,
-      *args: Any,
-      **kwargs: Any,
-  ) -> tuple[list[Any], jax.Array, list[jax.Array], None]:
-    """One runner step over a flat ragged batch.
-
-    Args:
-      kv_caches: the runner's physical cache list (donated): attention arrays `[N, bs, 2Hkv/pk, pk, Dpad]` and
-        recurrent `(conv [M, K-1, C], state [M, nv, dk, dv])` tuples.
-      input_ids: `[T]` int32 token ids, padded with 0 (None when `inputs_embeds` is given).
-      attention_metadata: one `AttentionMetadata`, or `{layer_name: AttentionMetadata}` per KV-cache group.
-      inputs_embeds: `[T, D]` embeddings instead of `input_ids` (multimodal), or None.
-      input_positions: `[T]` (or `[3, T]`), the same array as the metadata's `input_positions`; the metadata's
-        copy is the one used, this one must agree in shape.
-      layer_name_to_kvcache_index: static `(("layer.<i>", slot), ...)` (or a mapping).
-      *args: lora_metadata, intermediate_tensors, is_first_rank, is_last_rank: accepted and ignored (no LoRA,
-        no pipeline parallelism).
-      **kwargs: accepted and ignored (the runner adds keywords over time).
-
-    Returns:
-      `(kv_caches in the runner's order, hidden [T, D], [], None)`.
-
-    Raises:
-      ValueError / TypeError: a bad map, a slot that does not hold what its layer needs, or inconsistent inputs.
-    """
-    del args, kwargs  # Positional extras of the runner's contract that this model does not use.
-    if layer_name_to_kvcache_index is None:
-      raise ValueError(
-          "layer_name_to_kvcache_index is required: the runner's kv_caches order is not the layer order "
-          f"(pass (('layer.0', slot), ...) for all {self.num_layers} layers)"
-      )
-    layer_indices = hybrid_cache_utils.resolve_layer_kv_cache_indices(
-        layer_name_to_kvcache_index, self.num_layers, len(kv_caches)
-    )
-    layer_caches = hybrid_cache_utils.gather_layer_kv_caches(kv_caches, layer_indices)
-    kv_cache_spec.validate_layer_caches(self.cfg, layer_caches, layer_indices)
-    layer_metadata = metadata_for_layers(
-        attention_metadata,
-        [hybrid_cache_utils.layer_name(i) for i in range(self.num_layers)],
-        kv_cache_spec.get_shared_kv_cache_layers(self.cfg),
-    )
-    group_of: dict[int, int] = {}  # metadata object -> KV-cache group, numbered in layer order
-    for md in layer_metadata:
-      group_of.setdefault(id(md), len(group_of))
-    hybrid_cache_utils.check_shared_slot_writers(
-        layer_indices, [group_of[id(md)] for md in layer_metadata], [src >= 0 for src in self.cfg.kv_shared_source]
-    )
-    positions = normalize_positions(layer_metadata[0].input_positions) if layer_metadata else None
-    if input_positions is not None and positions is not None:
-      if tuple(input_positions.shape) != tuple(layer_metadata[0].input_positions.shape):
-        raise ValueError(
-            f"input_positions has shape {tuple(input_positions.shape)} but attention_metadata.input_positions has "
-            f"{tuple(layer_metadata[0].input_positions.shape)}; the runner passes the same array twice"
-        )
-    if inputs_embeds is None:
-      if input_ids is None:
-        raise ValueError("one of input_ids [T] or inputs_embeds [T, D] must be given")
-      x = self.model.embed(input_ids)
-    else:
-      x = jnp.asarray(inputs_embeds, self.model.dtype)
-    if positions is not None and positions.shape[0] != x.shape[0]:
-      raise ValueError(f"positions cover {positions.shape[0]} tokens but the batch has {x.shape[0]} tokens")
-    hidden, new_kv_caches = self.model.forward_paged(x, positions, kv_caches, layer_indices, layer_metadata, self.backend)
-    if self.is_sharded:
-      # Every cache leaves the step in the runner's sharding, the one it came in with.
-      new_kv_caches = jax.tree_util.tree_map(
-          jax.lax.with_sharding_constraint, new_kv_caches, self.kv_cache_shardings(new_kv_caches)
-      )
-    return new_kv_caches, hidden.reshape(-1, hidden.shape[-1]), [], None
-
-  def compute_logits(self, hidden_states: jax.Array) -> jax.Array:
-    """Logits `[R, V]` of hidden states `[R, D]` (already gathered at each request's last token)."""
-    return self.model.compute_logits(hidden_states, self.backend)
-
-  def greedy_token_ids(self, hidden_states: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The greedy pick `[R]` int32 of hidden states `[R, D]`, and `[R]` whether each row's logits are finite
-    (`Transformer.greedy_token_ids`: through a coarse head's candidates when the backend gave it one)."""
-    return self.model.greedy_token_ids(hidden_states, self.backend)
-
-  def embed_input_ids(self, input_ids: jax.Array) -> jax.Array:
-    """Token embeddings `[T, D]` of `input_ids` `[T]`."""
-    return self.model.embed(input_ids)
 
   def get_kv_cache_spec_data(self) -> dict[str, dict[str, Any]]:
     """The cache each layer needs, as plain data for a runner that asks (docs/tpu-inference-kv-cache-spec.patch).
@@ -334,7 +168,3 @@ class MaxTextForCausalLM(nnx.Module):
     for _, module in nnx.iter_modules(self):
       if module is not self:
         yield module
-
-  def get_input_embeddings(self) -> jax.Array:
-    """The token embedding table `[V, D]`."""
-    return self.model.embedder.embedding[...]

@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from maxtext.integration.vllm import kv_cache_spec
+from maxtext.kv_cache import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM, maxtext_config_from_vllm
 from maxtext.integration.vllm.environment import CHECKED_TPU_INFERENCE_VERSION, PluginEnvironmentError, import_module_of
-from maxtext.kernels.cache_spec import RecurrentSpec
+from maxtext.kv_cache.cache_spec import RecurrentSpec
 
 logger = logging.getLogger(__name__)
 

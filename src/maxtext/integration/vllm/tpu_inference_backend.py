@@ -33,7 +33,7 @@ import numpy as np
 
 from maxtext.integration.vllm.environment import PluginEnvironmentError, import_module_of
 from maxtext.kernels.backend import REFERENCE, ReferenceBackend, register_backend
-from maxtext.kernels.kv_cache_layout import get_dtype_packing
+from maxtext.kv_cache.kv_cache_layout import get_dtype_packing
 
 TPU_INFERENCE = "tpu_inference"
 ATTENTION_MODULE = "tpu_inference.layers.common.attention_interface"

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtext.kernels import kv_cache_layout
+from maxtext.kv_cache import kv_cache_layout
 from maxtext.kernels.cpu import cpu_gemm
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 from support.fake_vllm_config import FakeVllmConfig, fake_vllm_config
 from support.hlo import count_hlo_instructions, count_jaxpr_equations
 from maxtext.configs import ConfigError, load_config
-from maxtext.integration.vllm import kv_cache_spec
+from maxtext.kv_cache import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM, maxtext_config_from_vllm
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
 

@@ -17,7 +17,7 @@ from flax import nnx
 
 from support.fake_tpu_inference import RecordingTpuInference
 from maxtext.configs import load_config
-from maxtext.integration.vllm import kv_cache_spec
+from maxtext.kv_cache import kv_cache_spec
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
 

@@ -17,7 +17,7 @@ from support.fake_tpu_inference import GDN_PARAMETERS, RPA_PARAMETERS, Recording
 from maxtext.integration.vllm import tpu_inference_backend as tib
 from maxtext.integration.vllm.environment import PluginEnvironmentError
 from maxtext.kernels.backend import ReferenceBackend, get_backend
-from maxtext.kernels.kv_cache_layout import get_kv_cache_shape
+from maxtext.kv_cache.kv_cache_layout import get_kv_cache_shape
 
 F32_TOL = 1e-5
 

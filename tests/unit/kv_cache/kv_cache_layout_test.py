@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtext.kernels import kv_cache_layout
+from maxtext.kv_cache import kv_cache_layout
 
 
 def _np_pack(k: np.ndarray, v: np.ndarray, dtype) -> np.ndarray:

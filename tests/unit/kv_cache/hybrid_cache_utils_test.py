@@ -1,4 +1,4 @@
-"""Tests for maxtext.integration.vllm.hybrid_cache_utils: resolve, gather and scatter of the runner's KV-cache map."""
+"""Tests for maxtext.kv_cache.hybrid_cache_utils: resolve, gather and scatter of the runner's KV-cache map."""
 
 import random
 import re
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import strategies as st
 
 from support import hlo
-from maxtext.integration.vllm import hybrid_cache_utils as hcu
+from maxtext.kv_cache import hybrid_cache_utils as hcu
 
 # Qwen3.5-style hybrid pattern: three Gated DeltaNet layers, then one full-attention layer, twice.
 QWEN35_KINDS = ("linear", "linear", "linear", "full") * 2

@@ -3,7 +3,7 @@
 Each layer's mixer declares its cache (`Mixer.cache_spec`): attention layers a paged KV cache in the runner's
 rank-5 layout, recurrent layers (Gated DeltaNet, ...) a state tuple addressed by state slots. KV-sharing layers ask
 for nothing: they read their source layer's cache, and the runner maps their name to the source's slot. The spec
-classes live in `maxtext.kernels.cache_spec`; this module is the runner-facing view of a whole config.
+classes live in `maxtext.kv_cache.cache_spec`; this module is the runner-facing view of a whole config.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import ml_collections
 
-from maxtext.integration.vllm.hybrid_cache_utils import layer_name
-from maxtext.kernels.cache_spec import (
+from maxtext.kv_cache.hybrid_cache_utils import layer_name
+from maxtext.kv_cache.cache_spec import (
     RECURRENT_STATE_DTYPE,
     AttentionSpec,
     KVCacheSpec,

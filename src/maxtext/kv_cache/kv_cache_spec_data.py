@@ -25,7 +25,7 @@ from typing import Any
 import ml_collections
 
 from maxtext.configs.layer_kinds import LINEAR_ATTENTION, MAMBA
-from maxtext.integration.vllm import kv_cache_spec
+from maxtext.kv_cache import kv_cache_spec
 
 FULL_ATTENTION_KIND = "full_attention"
 SLIDING_WINDOW_KIND = "sliding_window"

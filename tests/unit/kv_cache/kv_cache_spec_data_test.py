@@ -8,10 +8,10 @@ import pytest
 
 from maxtext.configs import load_config
 from maxtext.integration.vllm.adapter import MaxTextForCausalLM
-from maxtext.integration.vllm import kv_cache_spec_data as spec_data_lib
-from maxtext.integration.vllm.kv_cache_spec import get_layer_spec
-from maxtext.integration.vllm.kv_cache_spec_data import kv_cache_spec_data
-from maxtext.kernels.cache_spec import RecurrentSpec
+from maxtext.kv_cache import kv_cache_spec_data as spec_data_lib
+from maxtext.kv_cache.kv_cache_spec import get_layer_spec
+from maxtext.kv_cache.kv_cache_spec_data import kv_cache_spec_data
+from maxtext.kv_cache.cache_spec import RecurrentSpec
 
 
 def _attention(kind, heads=2, head_size=32, window=None, dtype="bfloat16"):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtext.configs.layer_kinds import ATTENTION_CACHE, RECURRENT_CACHE
-from maxtext.kernels.kv_cache_layout import get_kv_cache_shape
+from maxtext.kv_cache.kv_cache_layout import get_kv_cache_shape
 
 RECURRENT_STATE_DTYPE = "float32"  # recurrent states stay fp32 (a bf16 state is re-quantised every token)
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import strategies as st
 
 from maxtext.configs import load_config
-from maxtext.integration.vllm import hybrid_cache_utils
-from maxtext.integration.vllm import kv_cache_spec as kvs
+from maxtext.kv_cache import hybrid_cache_utils
+from maxtext.kv_cache import kv_cache_spec as kvs
 
 
 def _qwen_next(**kw):

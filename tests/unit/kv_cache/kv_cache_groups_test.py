@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from maxtext.inference.kv_cache_groups import GroupPlan, order_arrays, plan_arrays, plan_groups
+from maxtext.kv_cache.kv_cache_groups import GroupPlan, order_arrays, plan_arrays, plan_groups
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,6 +130,76 @@ class BatchInputs:
     ]
 
 
+def _planned_computed_tokens(request: Any, num_new: int, scheduler_output: SchedulerOutput, one_step_ahead: bool) -> int:
+  """The computed-token count the plan was made at for `request`, checked against the request (see `build_batch`'s
+  `one_step_ahead`)."""
+  rid = request.request_id
+  computed = scheduler_output.num_computed_tokens[rid]
+  if one_step_ahead:
+    if num_new != 1 or request.num_computed_tokens + 1 != computed:
+      raise ValueError(
+          f"request {rid!r}: a plan one step ahead computes 1 token at 1 past the request's computed count; got"
+          f" {num_new} tokens at {computed} with num_computed_tokens {request.num_computed_tokens}"
+      )
+  elif request.num_computed_tokens != computed:
+    raise ValueError(
+        f"request {rid!r}: num_computed_tokens is {request.num_computed_tokens} but the plan was made at {computed};"
+        " build the batch before update_from_output"
+    )
+  return computed
+
+
+def _block_tables(
+    kv_cache_manager: KVCacheManager, rows: int, computed_at: list[tuple[str, int]]
+) -> tuple[list[np.ndarray], np.ndarray | None]:
+  """Every group's block table, one row per (request id, computed tokens) of `computed_at` (the recurrent group's
+  names state blocks under prefix caching: the align scheme), and the state slots when recurrent states are compact
+  (None otherwise)."""
+  tables = [np.zeros((rows, kv_cache_manager.max_blocks_per_req(g.group_id)), np.int32) for g in kv_cache_manager.groups]
+  compact_slots = kv_cache_manager.has_recurrent and not kv_cache_manager.uses_state_blocks
+  state_indices = np.zeros((rows,), np.int32) if compact_slots else None
+  for row, (request_id, computed) in enumerate(computed_at):
+    for group in kv_cache_manager.groups:
+      if group.kind == ATTENTION:
+        table = kv_cache_manager.block_table(request_id, group.group_id)
+        tables[group.group_id][row, : len(table)] = table
+      elif kv_cache_manager.uses_state_blocks:
+        table = kv_cache_manager.state_block_table(request_id)
+        # The step reads the block of its last computed token: a restored state must be there.
+        mbs = kv_cache_manager.mamba_block_size
+        assert computed == 0 or table[(computed - 1) // mbs], (request_id, computed, table)
+        tables[group.group_id][row, : len(table)] = table
+    if state_indices is not None:
+      state_indices[row] = kv_cache_manager.get_state_slot(request_id)
+  return tables, state_indices
+
+
+def _token_rows(
+    entries: list[Any], scheduler_output: SchedulerOutput, one_step_ahead: bool, padded_t: int, rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[tuple[str, int]]]:
+  """The token arrays of a batch of `entries` (request, tokens), in order: input ids and positions `[padded_t]`,
+  sequence lengths `[rows]`, query start offsets `[rows + 1]`, and each row's (request id, computed tokens)."""
+  num_reqs = len(entries)
+  input_ids = np.zeros((padded_t,), np.int32)
+  positions = np.zeros((padded_t,), np.int32)
+  seq_lens = np.zeros((rows,), np.int32)
+  query_start_loc = np.zeros((rows + 1,), np.int32)
+  computed_at: list[tuple[str, int]] = []  # (request id, computed tokens) per row
+  start = 0
+  for i, (request, n) in enumerate(entries):
+    rid = request.request_id
+    computed = _planned_computed_tokens(request, n, scheduler_output, one_step_ahead)
+    if not one_step_ahead:
+      input_ids[start : start + n] = request.all_token_ids[computed : computed + n]
+    positions[start : start + n] = np.arange(computed, computed + n)
+    seq_lens[i] = computed + n
+    start += n
+    query_start_loc[i + 1] = start
+    computed_at.append((rid, computed))
+  query_start_loc[num_reqs + 1 :] = start
+  return input_ids, positions, seq_lens, query_start_loc, computed_at
+
+
 def build_batch(
     cfg: Any, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager, *, one_step_ahead: bool = False
 ) -> BatchInputs:
@@ -160,50 +230,10 @@ def build_batch(
   padded_t = padded_num_tokens(num_tokens, int(cfg.max_num_batched_tokens), int(cfg.min_token_bucket))
   padded_reqs = padded_num_requests(num_reqs, rows)
 
-  input_ids = np.zeros((padded_t,), np.int32)
-  positions = np.zeros((padded_t,), np.int32)
-  seq_lens = np.zeros((rows,), np.int32)
-  query_start_loc = np.zeros((rows + 1,), np.int32)
-  tables = []
-  for group in kv_cache_manager.groups:
-    tables.append(np.zeros((rows, kv_cache_manager.max_blocks_per_req(group.group_id)), np.int32))
-  # Under prefix caching the recurrent group's block table names state blocks instead (the align scheme).
-  compact_slots = kv_cache_manager.has_recurrent and not kv_cache_manager.uses_state_blocks
-  state_indices = np.zeros((rows,), np.int32) if compact_slots else None
-
-  start = 0
-  for i, (request, n) in enumerate(entries):
-    rid = request.request_id
-    computed = scheduler_output.num_computed_tokens[rid]
-    if one_step_ahead:
-      if n != 1 or request.num_computed_tokens + 1 != computed:
-        raise ValueError(
-            f"request {rid!r}: a plan one step ahead computes 1 token at 1 past the request's computed count; got"
-            f" {n} tokens at {computed} with num_computed_tokens {request.num_computed_tokens}"
-        )
-    elif request.num_computed_tokens != computed:
-      raise ValueError(
-          f"request {rid!r}: num_computed_tokens is {request.num_computed_tokens} but the plan was made at {computed};"
-          " build the batch before update_from_output"
-      )
-    else:
-      input_ids[start : start + n] = request.all_token_ids[computed : computed + n]
-    positions[start : start + n] = np.arange(computed, computed + n)
-    seq_lens[i] = computed + n
-    start += n
-    query_start_loc[i + 1] = start
-    for group in kv_cache_manager.groups:
-      if group.kind == ATTENTION:
-        table = kv_cache_manager.block_table(rid, group.group_id)
-        tables[group.group_id][i, : len(table)] = table
-      elif kv_cache_manager.uses_state_blocks:
-        table = kv_cache_manager.state_block_table(rid)
-        # The step reads the block of its last computed token: a restored state must be there.
-        assert computed == 0 or table[(computed - 1) // kv_cache_manager.mamba_block_size], (rid, computed, table)
-        tables[group.group_id][i, : len(table)] = table
-    if state_indices is not None:
-      state_indices[i] = kv_cache_manager.get_state_slot(rid)
-  query_start_loc[num_reqs + 1 :] = start
+  input_ids, positions, seq_lens, query_start_loc, computed_at = _token_rows(
+      entries, scheduler_output, one_step_ahead, padded_t, rows
+  )
+  tables, state_indices = _block_tables(kv_cache_manager, rows, computed_at)
 
   num_decodes = sum(1 for n in counts if n == 1)
   logits_indices = np.zeros((padded_reqs,), np.int32)

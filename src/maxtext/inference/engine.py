@@ -170,6 +170,15 @@ def make_kv_cache_manager(cfg: ml_collections.FrozenConfigDict) -> KVCacheManage
   return KVCacheManager(cfg, kv_cache_spec.get_kv_cache_specs(cfg), kv_cache_spec.get_shared_kv_cache_layers(cfg))
 
 
+def _with_default_kernel_backend(
+    cfg: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh
+) -> ml_collections.FrozenConfigDict:
+  """`cfg` with `kernel_backend` set: the device's default (`cpu` on one CPU device, else `reference`) when empty."""
+  if cfg.kernel_backend:
+    return cfg
+  return ml_collections.FrozenConfigDict(dict(cfg.as_configdict().to_dict(), kernel_backend=device_default_name(mesh)))
+
+
 class LLMEngine:
   """Runs requests to completion with continuous batching over the adapter, like tpu-inference's runner.
 
@@ -192,11 +201,7 @@ class LLMEngine:
   def __init__(self, cfg: ml_collections.FrozenConfigDict, *, eos_token_id: int | None = None):
     self.compilation_cache_dir = compilation_cache.configure(cfg.compilation_cache_dir)
     self.mesh = sharding.make_mesh(cfg)
-    if not cfg.kernel_backend:  # the device's default: `cpu` on one CPU device, else `reference`
-      cfg = ml_collections.FrozenConfigDict(
-          dict(cfg.as_configdict().to_dict(), kernel_backend=device_default_name(self.mesh))
-      )
-    self.cfg = cfg
+    self.cfg = cfg = _with_default_kernel_backend(cfg, self.mesh)
     # Host memory only: on a CPU mesh the parameters and caches live in this process's memory; a TPU's are not.
     self.memory_need = memory_budget.check_fits(cfg) if all(d.platform == "cpu" for d in self.mesh.devices.flat) else None
     rng_key = jax.random.key(cfg.init_seed)
@@ -213,89 +218,12 @@ class LLMEngine:
     self.last_sampled: dict[str, int] = {}
     self._next_id = 0
     self.backend = self.model.backend
-    # The parameters in the backend's layout (`prepare_params`): laid out once loaded, or now if they already are.
-    # `prepared_bytes` counts the bytes it re-laid.
-    self.prepared_bytes = self.backend.prepare_params(self.model) if self.model.is_dummy else 0
-    # The model's structure, from the model before its weights are loaded (they fill it in place; checked below).
-    graphdef, state = nnx.split(self.model)
-    if not self.model.is_dummy:
-      # The structure it will have once prepared, from a copy of the abstract model (the loader fills the model in
-      # the checkpoint's layout).
-      structure = nnx.merge(graphdef, state, copy=True)
-      self.backend.prepare_params(structure)
-      graphdef, state = nnx.split(structure)
+    graphdef, state = self._prepared_structure()
     # The jitted calls take the parameters as a flat list: flattening the nnx State (its Variables) in Python on
     # every call costs milliseconds per step, a list of arrays goes through the C++ dispatch path.
     self._state_leaves, state_def = jax.tree_util.tree_flatten(state)
-
-    def merged(leaves):
-      return nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, leaves))
-
-    def step(leaves, kv_caches, input_ids, attention_metadata, input_positions, layer_map):
-      self.stats.step_traces += 1  # Python side effect: runs once per trace, i.e. per compilation.
-      model = merged(leaves)
-      kv_caches, hidden, _, _ = model(
-          kv_caches, input_ids, attention_metadata, None, input_positions, layer_map, None, None, True, True
-      )
-      return kv_caches, hidden
-
-    def logits(leaves, hidden, logits_indices):
-      return merged(leaves).compute_logits(hidden[logits_indices])
-
-    def greedy(leaves, hidden, logits_indices):
-      return merged(leaves).greedy_token_ids(hidden[logits_indices])
-
-    def step_greedy(
-        leaves,
-        kv_caches,
-        input_ids,
-        attention_metadata,
-        input_positions,
-        logits_indices,
-        prev_tokens,
-        num_prev,
-        layer_map,
-    ):
-      # The first `num_prev` tokens are the previous step's sampled tokens, still on the device (a decode step
-      # dispatched before they reached the host; see `_plan_ahead`); 0 for any other step.
-      rows = jnp.arange(input_ids.shape[0])
-      fed_back = prev_tokens[jnp.minimum(rows, prev_tokens.shape[0] - 1)]
-      input_ids = jnp.where(rows < num_prev, fed_back, input_ids)
-      kv_caches, hidden = step(leaves, kv_caches, input_ids, attention_metadata, input_positions, layer_map)
-      return (kv_caches, *greedy(leaves, hidden, logits_indices))
-
-    def zero_rows(states, rows):
-      return tuple(state.at[rows].set(0, mode="drop") for state in states)
-
-    # The runner's settings: kv_caches donated, the layer map static. A step compiles with the options the backend
-    # asks for its size (`compiler_options`): one jitted function per distinct set, traced per shape.
-    self._jitted_steps = {"step": (step, 5), "step_greedy": (step_greedy, 8)}
-    self._programs: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
-    self._programs_lock = threading.Lock()  # the background compile asks for a program too
-    self._program_cache: step_programs.ProgramCache | bool | None = None  # False: off (`_step_program_cache`)
-    self._zero_rows = jax.jit(zero_rows, donate_argnums=(0,))
-    self._zero_rows_bucket = next_power_of_two(max_num_reqs(cfg))
-    self._logits = jax.jit(logits)
-    # Greedy steps without logprobs run the model and the argmax as one program (`step_greedy`): one dispatch per
-    # step, and only the token ids come back to the host.
-    # A greedy decode step dispatched before the previous step's tokens reached the host, with its plan.
-    self._ahead: _DispatchedStep | None = None
-    self.overlap_decode_steps = bool(cfg.overlap_decode_steps)
-    # The step programs load (or the one-request greedy decode step compiles) in a thread while the caches are
-    # allocated and the weights load: shapes are all it needs.
-    self._background_compile: threading.Thread | None = None
-    self._background_tokens = padded_num_tokens(1, int(cfg.max_num_batched_tokens), int(cfg.min_token_bucket))
-    if cfg.background_compile and not self.model.is_dummy and self.mesh.size == 1:
-      shapes = (
-          [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._state_leaves],
-          self.manager.cache_shapes(),
-      )
-      # Not a daemon: a process that exits (or fails to load the weights) while XLA compiles must wait for it, as
-      # the interpreter's shutdown would otherwise unwind the thread inside XLA's C++ and abort the process.
-      self._background_compile = threading.Thread(
-          target=self._compile_smallest_greedy_step, args=shapes, name="maxtext-compile", daemon=False
-      )
-      self._background_compile.start()
+    self._init_step_programs(step_programs.make_step_functions(graphdef, state_def, self._count_trace))
+    self._start_background_compile()
     self.kv_caches = self.model.shard_kv_caches(self.manager.allocate_caches())
     self._zero_slots([])  # compiles the zeroing program now (no row is written), not in the first request's path
     self.weights_from_cache = False
@@ -313,6 +241,59 @@ class LLMEngine:
     self._placing_pending = True
     self._copied_leaves: list[Any] | None = None  # cached weights copied by the placing thread, not yet adopted
     self._state_def = state_def
+
+  def _count_trace(self) -> None:
+    self.stats.step_traces += 1
+
+  def _prepared_structure(self) -> tuple[Any, Any]:
+    """The model's structure (graphdef, state) in the backend's layout (`prepare_params`), which the step programs
+    are built for; sets `prepared_bytes` (the bytes re-laid, 0 until the weights load).
+
+    A model with random weights is laid out now. A checkpoint's model is still abstract: its structure once
+    prepared comes from a copy, and loading fills the model in the checkpoint's layout (checked against it later).
+    """
+    self.prepared_bytes = self.backend.prepare_params(self.model) if self.model.is_dummy else 0
+    graphdef, state = nnx.split(self.model)
+    if not self.model.is_dummy:
+      structure = nnx.merge(graphdef, state, copy=True)
+      self.backend.prepare_params(structure)
+      graphdef, state = nnx.split(structure)
+    return graphdef, state
+
+  def _init_step_programs(self, fns: step_programs.StepFunctions) -> None:
+    """The step programs' bookkeeping: the runner's settings (kv_caches donated, the layer map static); a step
+    compiles with the options the backend asks for its size (`compiler_options`): one jitted function per distinct
+    set, traced per shape. Greedy steps without logprobs run the model and the argmax as one program
+    (`step_greedy`): one dispatch per step, and only the token ids come back to the host."""
+    self._jitted_steps = {"step": (fns.step, 5), "step_greedy": (fns.step_greedy, 8)}
+    self._programs: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+    self._programs_lock = threading.Lock()  # the background compile asks for a program too
+    self._program_cache: step_programs.ProgramCache | bool | None = None  # False: off (`_step_program_cache`)
+    self._zero_rows = jax.jit(step_programs.zero_rows, donate_argnums=(0,))
+    self._zero_rows_bucket = next_power_of_two(max_num_reqs(self.cfg))
+    self._logits = jax.jit(fns.logits)
+    # A greedy decode step dispatched before the previous step's tokens reached the host, with its plan.
+    self._ahead: _DispatchedStep | None = None
+    self.overlap_decode_steps = bool(self.cfg.overlap_decode_steps)
+
+  def _start_background_compile(self) -> None:
+    """Loads the step programs (or compiles the one-request greedy decode step) in a thread while the caches are
+    allocated and the weights load: shapes are all it needs. Only for a checkpoint's model on one device."""
+    cfg = self.cfg
+    self._background_compile: threading.Thread | None = None
+    self._background_tokens = padded_num_tokens(1, int(cfg.max_num_batched_tokens), int(cfg.min_token_bucket))
+    if not (cfg.background_compile and not self.model.is_dummy and self.mesh.size == 1):
+      return
+    shapes = (
+        [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._state_leaves],
+        self.manager.cache_shapes(),
+    )
+    # Not a daemon: a process that exits (or fails to load the weights) while XLA compiles must wait for it, as
+    # the interpreter's shutdown would otherwise unwind the thread inside XLA's C++ and abort the process.
+    self._background_compile = threading.Thread(
+        target=self._compile_smallest_greedy_step, args=shapes, name="maxtext-compile", daemon=False
+    )
+    self._background_compile.start()
 
   def _load_prepared_weights(self, rng_key: jax.Array, graphdef: Any, state_def: Any) -> None:
     """Fills the model with its prepared parameters: from the weight cache when it holds them (`weight_cache`),

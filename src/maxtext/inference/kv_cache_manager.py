@@ -62,6 +62,7 @@ from maxtext.inference.state_slots import StateSlotPool
 from maxtext.kv_cache import hybrid_cache_utils
 
 logger = logging.getLogger(__name__)
+_NO_ROOM = -2  # `_state_table_plan`: no state block is free
 
 ATTENTION = ATTENTION_CACHE
 RECURRENT = RECURRENT_CACHE
@@ -398,6 +399,68 @@ class KVCacheManager:
       ValueError: bad token counts, `num_computed + num_new > max_target_length`, or a prefix hit for a request
         that already holds blocks or that disagrees with `num_computed_tokens`.
     """
+    total = num_computed_tokens + num_new_tokens
+    known = request_id in self._tables
+    allocated = self._allocated_before(request_id, num_computed_tokens, num_new_tokens, prefix_hit)
+    if known:
+      self._free_out_of_window(request_id, num_computed_tokens)
+      self._free_stale_states(request_id, num_computed_tokens)
+      tables = self._tables[request_id]
+    else:
+      tables = {gid: list(prefix_hit.blocks[gid]) if prefix_hit else [] for gid in self.attention_group_ids}
+    needed = {gid: max(0, cdiv(total, self.groups[gid].block_size) - len(tables[gid])) for gid in tables}
+    # The cached blocks a hit takes back (the free ones among them count against the free blocks).
+    taken = {gid: [b for b in tables[gid] if b != NULL_BLOCK] if prefix_hit else [] for gid in tables}
+    state_taken = [prefix_hit.state_block] if prefix_hit is not None and prefix_hit.state_block is not None else []
+    if not self._blocks_fit(request_id, needed, taken):
+      return False
+    state_table, write_col = self._state_table_plan(request_id, total, prefix_hit, state_taken)
+    if write_col == _NO_ROOM:
+      return False
+    needs_slot = self._slot_pool is not None and request_id not in self._state_slots
+    if needs_slot and self._slot_pool.num_free == 0:
+      logger.debug("request %s: no free state slot", request_id)
+      return False
+    for gid, blocks in taken.items():
+      self._pool.take(blocks)
+    for gid, n in needed.items():
+      tables[gid].extend(self._pool.allocate(n))
+    if state_table is not None:
+      self._commit_state_table(request_id, state_table, state_taken, write_col)
+    if needs_slot:
+      self._state_slots[request_id] = self._slot_pool.acquire()
+    if not known and self.enable_prefix_caching:
+      self._start_registration(request_id, tables, prefix_hit)
+    self._tables[request_id] = tables
+    self._num_allocated_tokens[request_id] = max(allocated, total)
+    return True
+
+  def _start_registration(self, request_id: str, tables: dict[int, list[int]], prefix_hit: PrefixHit | None) -> None:
+    """A new request's registered blocks under prefix caching: those of its hit (registered already), else none."""
+    hit_tokens = prefix_hit.num_tokens if prefix_hit is not None else 0
+    self._num_registered[request_id] = {gid: hit_tokens // self.groups[gid].block_size for gid in tables}
+
+  def _blocks_fit(self, request_id: str, needed: dict[int, int], taken: dict[int, list[int]]) -> bool:
+    """Whether the pool has the `needed` new blocks besides the free ones among the cached blocks `taken` back."""
+    reviving = sum(1 for blocks in taken.values() for b in blocks if self._pool.refcount(b) == 0)
+    if sum(needed.values()) + reviving > self._pool.num_free:
+      logger.debug("request %s: %d free blocks, needs %d", request_id, self._pool.num_free, sum(needed.values()))
+      return False
+    return True
+
+  def _commit_state_table(self, request_id: str, state_table: list[int], state_taken: list[int], write_col: int) -> None:
+    """Takes the hit's state block back and gives column `write_col` a state block if it has none."""
+    self._state_pool.take(state_taken)
+    state_table.extend([NULL_BLOCK] * (write_col + 1 - len(state_table)))
+    if state_table[write_col] == NULL_BLOCK:
+      state_table[write_col] = self._state_pool.allocate(1)[0]
+    self._state_tables[request_id] = state_table
+
+  def _allocated_before(
+      self, request_id: str, num_computed_tokens: int, num_new_tokens: int, prefix_hit: PrefixHit | None
+  ) -> int:
+    """Checks `allocate_slots`' arguments; returns the tokens the request's blocks already cover (a prefix hit's
+    for a request not yet holding blocks). Raises ValueError as `allocate_slots` says."""
     if num_computed_tokens < 0 or num_new_tokens < 1:
       raise ValueError(
           f"request {request_id!r}: need num_computed_tokens >= 0 and num_new_tokens >= 1, got {num_computed_tokens}"
@@ -429,55 +492,27 @@ class KVCacheManager:
           f"request {request_id!r}: num_computed_tokens={num_computed_tokens} but blocks exist only for"
           f" {allocated} tokens"
       )
-    if known:
-      self._free_out_of_window(request_id, num_computed_tokens)
-      self._free_stale_states(request_id, num_computed_tokens)
-      tables = self._tables[request_id]
-    else:
-      tables = {gid: list(prefix_hit.blocks[gid]) if prefix_hit else [] for gid in self.attention_group_ids}
-    needed = {gid: max(0, cdiv(total, self.groups[gid].block_size) - len(tables[gid])) for gid in tables}
-    # The cached blocks a hit takes back (the free ones among them count against the free blocks).
-    taken = {gid: [b for b in tables[gid] if b != NULL_BLOCK] if prefix_hit else [] for gid in tables}
-    state_taken = [prefix_hit.state_block] if prefix_hit is not None and prefix_hit.state_block is not None else []
-    reviving = sum(1 for blocks in taken.values() for b in blocks if self._pool.refcount(b) == 0)
-    if sum(needed.values()) + reviving > self._pool.num_free:
-      logger.debug("request %s: %d free blocks, needs %d", request_id, self._pool.num_free, sum(needed.values()))
-      return False
-    state_table, write_col = None, -1
-    if self.uses_state_blocks:
-      state_table = self._state_tables.get(request_id)
-      if state_table is None:
-        state_table = []
-        if prefix_hit is not None and prefix_hit.state_block is not None:
-          state_table = [NULL_BLOCK] * (prefix_hit.num_tokens // self.mamba_block_size - 1) + [prefix_hit.state_block]
-      write_col = (total - 1) // self.mamba_block_size
-      needs_state = write_col >= len(state_table) or state_table[write_col] == NULL_BLOCK
-      reviving = sum(1 for b in state_taken if self._state_pool.refcount(b) == 0)
-      if int(needs_state) + reviving > self._state_pool.num_free:
-        logger.debug("request %s: no free state block", request_id)
-        return False
-    needs_slot = self._slot_pool is not None and request_id not in self._state_slots
-    if needs_slot and self._slot_pool.num_free == 0:
-      logger.debug("request %s: no free state slot", request_id)
-      return False
-    for gid, blocks in taken.items():
-      self._pool.take(blocks)
-    for gid, n in needed.items():
-      tables[gid].extend(self._pool.allocate(n))
-    if state_table is not None:
-      self._state_pool.take(state_taken)
-      state_table.extend([NULL_BLOCK] * (write_col + 1 - len(state_table)))
-      if state_table[write_col] == NULL_BLOCK:
-        state_table[write_col] = self._state_pool.allocate(1)[0]
-      self._state_tables[request_id] = state_table
-    if needs_slot:
-      self._state_slots[request_id] = self._slot_pool.acquire()
-    if not known and self.enable_prefix_caching:  # a hit's blocks are registered already
-      hit_tokens = prefix_hit.num_tokens if prefix_hit is not None else 0
-      self._num_registered[request_id] = {gid: hit_tokens // self.groups[gid].block_size for gid in tables}
-    self._tables[request_id] = tables
-    self._num_allocated_tokens[request_id] = max(allocated, total)
-    return True
+    return allocated
+
+  def _state_table_plan(
+      self, request_id: str, total: int, prefix_hit: PrefixHit | None, state_taken: list[int]
+  ) -> tuple[list[int] | None, int]:
+    """Under prefix caching of recurrent states: the request's state table and the column its last new token
+    writes (`total` tokens); (None, -1) without state blocks, (None, `_NO_ROOM`) when no state block is free."""
+    if not self.uses_state_blocks:
+      return None, -1
+    state_table = self._state_tables.get(request_id)
+    if state_table is None:
+      state_table = []
+      if prefix_hit is not None and prefix_hit.state_block is not None:
+        state_table = [NULL_BLOCK] * (prefix_hit.num_tokens // self.mamba_block_size - 1) + [prefix_hit.state_block]
+    write_col = (total - 1) // self.mamba_block_size
+    needs_state = write_col >= len(state_table) or state_table[write_col] == NULL_BLOCK
+    reviving = sum(1 for b in state_taken if self._state_pool.refcount(b) == 0)
+    if int(needs_state) + reviving > self._state_pool.num_free:
+      logger.debug("request %s: no free state block", request_id)
+      return None, _NO_ROOM
+    return state_table, write_col
 
   def schedulable_tokens(self, num_computed_tokens: int, num_new_tokens: int) -> int:
     """How many of `num_new_tokens` a step may compute: under the align scheme a step stops at the next state

@@ -232,6 +232,11 @@ class Scheduler:
       requests[request.request_id] = request
       budget -= n
 
+    return self._output(scheduled, requests, preempted)
+
+  def _output(self, scheduled: dict[str, int], requests: dict[str, Request], preempted: list[str]) -> SchedulerOutput:
+    """The plan of `scheduled` (request id -> tokens): decodes first, the requests whose step ends their known
+    tokens sample, and the state slots freed since the last plan are zeroed."""
     order = [rid for rid, n in scheduled.items() if n == 1] + [rid for rid, n in scheduled.items() if n > 1]
     batch = tuple(ScheduledRequest(requests[rid], scheduled[rid]) for rid in order)
     computed = {rid: requests[rid].num_computed_tokens for rid in order}

@@ -30,6 +30,7 @@ runs code from the folder: like the compilation cache, it must not be writable b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -44,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 from jax.experimental import serialize_executable
 
 from maxtext import user_cache
@@ -335,3 +338,59 @@ def folder_for(cfg: Any, jax_folder: str | None) -> Path | None:
   if os.path.abspath(jax_folder) != own:
     return None
   return Path(own) / FOLDER_NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+  """The functions the engine jits, over the parameters as a flat list of leaves (`jax.tree_util.tree_flatten` of
+  the model's state: a list goes through JAX's C++ dispatch, an nnx State is flattened in Python on every call).
+
+  Attributes:
+    step: (leaves, kv_caches, input_ids, attention_metadata, input_positions, layer_map) -> (kv_caches, hidden):
+      the runner's call of the model (`CausalLM.__call__`); `layer_map` (argument 5) is static.
+    step_greedy: `step` then the greedy pick of each request's last hidden state, (leaves, kv_caches, input_ids,
+      attention_metadata, input_positions, logits_indices, prev_tokens, num_prev, layer_map) -> (kv_caches, token
+      ids, finite flags); the first `num_prev` input tokens are taken from `prev_tokens`, the previous step's
+      token output still on the device (a decode step dispatched before they reached the host); `layer_map`
+      (argument 8) is static.
+    logits: (leaves, hidden, logits_indices) -> the logits of the rows `logits_indices` of `hidden`.
+  """
+
+  step: Callable[..., Any]
+  step_greedy: Callable[..., Any]
+  logits: Callable[..., Any]
+
+
+def make_step_functions(graphdef: Any, state_def: Any, on_trace: Callable[[], None]) -> StepFunctions:
+  """The step functions of the model whose structure is `graphdef` and whose flat state has the tree `state_def`;
+  `on_trace` runs each time `step` is traced (once per compilation)."""
+
+  def merged(leaves):
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, leaves))
+
+  def step(leaves, kv_caches, input_ids, attention_metadata, input_positions, layer_map):
+    on_trace()  # Python side effect: runs once per trace
+    model = merged(leaves)
+    kv_caches, hidden, _, _ = model(
+        kv_caches, input_ids, attention_metadata, None, input_positions, layer_map, None, None, True, True
+    )
+    return kv_caches, hidden
+
+  def logits(leaves, hidden, logits_indices):
+    return merged(leaves).compute_logits(hidden[logits_indices])
+
+  def step_greedy(
+      leaves, kv_caches, input_ids, attention_metadata, input_positions, logits_indices, prev_tokens, num_prev, layer_map
+  ):
+    rows = jnp.arange(input_ids.shape[0])
+    fed_back = prev_tokens[jnp.minimum(rows, prev_tokens.shape[0] - 1)]
+    input_ids = jnp.where(rows < num_prev, fed_back, input_ids)
+    kv_caches, hidden = step(leaves, kv_caches, input_ids, attention_metadata, input_positions, layer_map)
+    return (kv_caches, *merged(leaves).greedy_token_ids(hidden[logits_indices]))
+
+  return StepFunctions(step=step, step_greedy=step_greedy, logits=logits)
+
+
+def zero_rows(states: Sequence[jax.Array], rows: jax.Array) -> tuple[jax.Array, ...]:
+  """`states` with the rows `rows` set to zero (rows past the end are dropped: the padding of a fixed bucket)."""
+  return tuple(state.at[rows].set(0, mode="drop") for state in states)

@@ -15,7 +15,7 @@ What an entry's key holds (`cache_key`), each a reason the arrays could differ:
     The ctime cannot be set back by a program (unlike the mtime), so a file rewritten in place is never taken for
     the old one;
   - the model's config keys, without those that only size the caches, the scheduler or the paths
-    (`RUNTIME_KEYS`): the model's shape, family, `weight_dtype`, any quantization key;
+    (`run_options.WEIGHT_NEUTRAL_KEYS`): the model's shape, family, `weight_dtype`, any quantization key;
   - the kernel backend's name and options (`backend_fingerprint`: e.g. `cpu_weight_panels`), and the prepared
     structure (the tree of leaves with their shapes and dtypes, as the engine computes it from the abstract model);
   - the code that converts: a SHA-256 of this package's checkpoint, model, layer, kernel and config sources, and
@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtext import user_cache
+from maxtext.configs import run_options
 
 logger = logging.getLogger(__name__)
 
@@ -61,28 +62,6 @@ ALIGN = 64  # bytes: every leaf starts at a multiple (what XLA's CPU buffers nee
 SUFFIX = ".weights"
 DEFAULT_MAX_BYTES = 8 << 30
 _HEADER_LENGTH = 8  # bytes of the little-endian header length after the magic line
-# Config keys that never change a parameter array: the checkpoint paths (their content is in the key instead), the
-# caches', scheduler's and tokenizer's settings.
-RUNTIME_KEYS = frozenset(
-    {
-        "load_parameters_path",
-        "hf_model_path",
-        "gguf_model_path",
-        "tokenizer_path",
-        "kv_cache_dtype",
-        "kv_cache_layout",
-        "hybrid_kv_cache",
-        "block_size",
-        "kv_cache_memory_bytes",
-        "num_kv_blocks",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "min_token_bucket",
-        "max_target_length",
-        "enable_prefix_caching",
-        "mamba_block_size",
-    }
-)
 # The package folders whose sources decide what a checkpoint's prepared arrays hold.
 _CODE_FOLDERS = ("checkpoint", "configs", "kernels", "layers", "models")
 
@@ -172,7 +151,7 @@ def cache_key(
   """The key of an entry: everything that decides the prepared arrays (see the module docstring).
 
   Args:
-    model_keys: the model's config keys (`run_options.model_config`); `RUNTIME_KEYS` are dropped.
+    model_keys: the model's config keys (`run_options.model_config`); `run_options.WEIGHT_NEUTRAL_KEYS` are dropped.
     source: (the source's config key, its `source_digest`).
     backend: `backend_fingerprint(backend)`.
     structure: the prepared tree's structure (`str` of its treedef).
@@ -181,7 +160,7 @@ def cache_key(
   Raises:
     TypeError: a model key's value is not JSON data.
   """
-  keys = {k: v for k, v in sorted(model_keys.items()) if k not in RUNTIME_KEYS}
+  keys = {k: v for k, v in sorted(model_keys.items()) if k not in run_options.WEIGHT_NEUTRAL_KEYS}
   try:
     json.dumps(keys)
   except TypeError as e:
@@ -394,7 +373,6 @@ def run_entry(cfg: Any, backend: Any, structure: str, leaves: Sequence[Any]) -> 
   """
   # pylint: disable=import-outside-toplevel  # source imports the model code; this module is imported before it
   from maxtext.checkpoint import source as checkpoint_source
-  from maxtext.configs import run_options
 
   if not cfg.weight_cache:
     return None

@@ -10,7 +10,10 @@ model. The run options are
   - the reference runner's CPU and compilation knobs (`RUNNER_KEYS`), which a vLLM runner has its own settings for.
 
 Everything else (the model's shape and source, dtypes, the kernel backend, the cache, layout, scheduler and mesh
-keys the runner sizes its caches and batches from) is the model's config.
+keys the runner sizes its caches and batches from) is the model's config. Of those, the keys that never change a
+parameter array (`WEIGHT_NEUTRAL_KEYS`: the checkpoint paths, the caches', scheduler's and tokenizer's settings) are
+left out of the prepared weights' key (`checkpoint/weight_cache.py`); the step programs' key
+(`inference/step_programs.py`) leaves out the run options. `key_category` names a key's category.
 """
 
 from __future__ import annotations
@@ -45,6 +48,39 @@ RUNNER_KEYS = (
     "weight_cache_max_bytes",
 )
 RUN_OPTION_KEYS = CLI_KEYS + RUNNER_KEYS
+# Model keys that never change a parameter array: the checkpoint paths (the weight cache keys their content
+# instead), the caches', scheduler's and tokenizer's settings.
+WEIGHT_NEUTRAL_KEYS = frozenset(
+    {
+        "load_parameters_path",
+        "hf_model_path",
+        "gguf_model_path",
+        "tokenizer_path",
+        "kv_cache_dtype",
+        "kv_cache_layout",
+        "hybrid_kv_cache",
+        "block_size",
+        "kv_cache_memory_bytes",
+        "num_kv_blocks",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "min_token_bucket",
+        "max_target_length",
+        "enable_prefix_caching",
+        "mamba_block_size",
+    }
+)
+CLI, RUNNER, SERVING, PARAMETERS = "cli", "runner", "serving", "parameters"
+
+
+def key_category(key: str) -> str:
+  """The category of a config key: `cli` and `runner` (run options, never the model's), `serving` (the model's,
+  but no parameter depends on it: `WEIGHT_NEUTRAL_KEYS`) or `parameters` (shapes the parameters)."""
+  if key in CLI_KEYS:
+    return CLI
+  if key in RUNNER_KEYS:
+    return RUNNER
+  return SERVING if key in WEIGHT_NEUTRAL_KEYS else PARAMETERS
 
 
 def model_config(cfg: ml_collections.FrozenConfigDict) -> ml_collections.FrozenConfigDict:

@@ -1,24 +1,12 @@
 """The CPU reference runner imports nothing from the vLLM glue: the model's facts it needs (the cache contract in
 `maxtext.kv_cache`, the runner's calling contract in `maxtext.causal_lm`) sit below both runners."""
 
-import ast
 import pathlib
 
 import pytest
+from support.imports import imported_modules
 
 SRC = pathlib.Path(__file__).resolve().parents[3] / "src"
-
-
-def imported_modules(path: pathlib.Path) -> set[str]:
-  """Every module `path` names in an import statement, at any depth (inside functions too)."""
-  names = set()
-  for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-    if isinstance(node, ast.Import):
-      names.update(alias.name for alias in node.names)
-    elif isinstance(node, ast.ImportFrom) and node.module:
-      names.add(node.module)
-      names.update(f"{node.module}.{alias.name}" for alias in node.names)
-  return names
 
 
 def offenders(modules: list[pathlib.Path], forbidden: tuple[str, ...]) -> dict[str, list[str]]:

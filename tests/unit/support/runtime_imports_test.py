@@ -1,7 +1,6 @@
 """The runtime never imports the tests' `support` package (tests/support/): the fakes, checks and wheel fetcher there
-are for tests and scripts only, and the wheel does not hold them (`wheel_contents_test.py`)."""
+are for tests and scripts only, and the wheel does not hold them (`tests/unit/wheel_test.py`)."""
 
-import ast
 import json
 import os
 import pathlib
@@ -9,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from support.imports import imported_modules
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 SRC = ROOT / "src"
@@ -60,28 +60,17 @@ def _is_support(module: str) -> bool:
   return module.split(".")[0] == "support"
 
 
-def _imported_modules(path: pathlib.Path) -> set[str]:
-  names = set()
-  for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-    if isinstance(node, ast.Import):
-      names.update(alias.name for alias in node.names)
-    elif isinstance(node, ast.ImportFrom) and node.module:
-      names.add(node.module)
-      names.update(f"{node.module}.{alias.name}" for alias in node.names)
-  return names
-
-
 def test_no_runtime_module_names_the_support_package():
   # Static, so an import inside a branch the program above does not reach is caught as well.
   offenders = {}
   for path in sorted((SRC / "maxtext").rglob("*.py")):
-    bad = sorted(m for m in _imported_modules(path) if _is_support(m))
+    bad = sorted(m for m in imported_modules(path) if _is_support(m))
     if bad:
       offenders[str(path.relative_to(SRC))] = bad
   assert not offenders
   # The walk does see the package's imports (a parser that found nothing would pass the check above).
-  assert "support.kv_cache_checks" not in _imported_modules(SRC / "maxtext" / "inference" / "engine.py")
-  assert "maxtext.inference.kv_cache_manager" in _imported_modules(SUPPORT / "kv_cache_checks.py")
+  assert "support.kv_cache_checks" not in imported_modules(SRC / "maxtext" / "inference" / "engine.py")
+  assert "maxtext.inference.kv_cache_manager" in imported_modules(SUPPORT / "kv_cache_checks.py")
   assert _is_support("support.kv_cache_checks") and not _is_support("maxtext.inference.kv_cache_manager")
 
 

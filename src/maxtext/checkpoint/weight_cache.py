@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtext import user_cache
+from maxtext.configs import keys as config_keys
 
 logger = logging.getLogger(__name__)
 
@@ -61,28 +62,9 @@ ALIGN = 64  # bytes: every leaf starts at a multiple (what XLA's CPU buffers nee
 SUFFIX = ".weights"
 DEFAULT_MAX_BYTES = 8 << 30
 _HEADER_LENGTH = 8  # bytes of the little-endian header length after the magic line
-# Config keys that never change a parameter array: the checkpoint paths (their content is in the key instead), the
-# caches', scheduler's and tokenizer's settings.
-RUNTIME_KEYS = frozenset(
-    {
-        "load_parameters_path",
-        "hf_model_path",
-        "gguf_model_path",
-        "tokenizer_path",
-        "kv_cache_dtype",
-        "kv_cache_layout",
-        "hybrid_kv_cache",
-        "block_size",
-        "kv_cache_memory_bytes",
-        "num_kv_blocks",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "min_token_bucket",
-        "max_target_length",
-        "enable_prefix_caching",
-        "mamba_block_size",
-    }
-)
+# Config keys that never change a parameter array (category `RUNTIME` in configs/keys.py): the checkpoint paths
+# (their content is in the key instead), the caches', scheduler's and tokenizer's settings.
+RUNTIME_KEYS = config_keys.RUNTIME_KEYS
 # The package folders whose sources decide what a checkpoint's prepared arrays hold.
 _CODE_FOLDERS = ("checkpoint", "configs", "kernels", "layers", "models")
 

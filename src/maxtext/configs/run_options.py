@@ -9,8 +9,9 @@ model. The run options are
     the request's `SamplingParams` and the caller's business;
   - the reference runner's CPU and compilation knobs (`RUNNER_KEYS`), which a vLLM runner has its own settings for.
 
-Everything else (the model's shape and source, dtypes, the kernel backend, the cache, layout, scheduler and mesh
-keys the runner sizes its caches and batches from) is the model's config.
+The category of every key is declared in `keys.py` (`CLI`, `RUNNER`; the model's config is `MODEL` and
+`RUNTIME`). Everything else (the model's shape and source, dtypes, the kernel backend, the cache, layout, scheduler
+and mesh keys the runner sizes its caches and batches from) is the model's config.
 """
 
 from __future__ import annotations
@@ -19,32 +20,13 @@ from collections.abc import Iterable
 
 import ml_collections
 
+from maxtext.configs import keys as config_keys
 from maxtext.configs.errors import ConfigError
 
-CLI_KEYS = (
-    "prompt",
-    "prompt_token_ids",
-    "prompts_file",
-    "use_chat_template",
-    "max_new_tokens",
-    "decode_sampling_temperature",
-    "decode_sampling_top_k",
-    "decode_sampling_nucleus_p",
-    "seed",
-    "logprobs",
-    "output_format",
-    "dry_run",
-)
-RUNNER_KEYS = (
-    "compilation_cache_dir",
-    "background_compile",
-    "overlap_decode_steps",
-    "huge_page_weights",
-    "cpu_weight_panels",
-    "weight_cache",
-    "weight_cache_max_bytes",
-)
-RUN_OPTION_KEYS = CLI_KEYS + RUNNER_KEYS
+# The categories are declared beside each key (`keys.py`).
+CLI_KEYS = tuple(sorted(config_keys.names(config_keys.CLI)))
+RUNNER_KEYS = tuple(sorted(config_keys.names(config_keys.RUNNER)))
+RUN_OPTION_KEYS = config_keys.RUN_OPTION_KEYS
 
 
 def model_config(cfg: ml_collections.FrozenConfigDict) -> ml_collections.FrozenConfigDict:

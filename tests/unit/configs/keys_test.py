@@ -1,7 +1,9 @@
 """The key declarations (configs/keys.py) against base.yml and the modules that read a key's category."""
 
+import pytest
+
 from maxtext.checkpoint import weight_cache
-from maxtext.configs import keys, run_options
+from maxtext.configs import ConfigError, keys, run_options
 from maxtext.configs.loader import BASE_CONFIG_PATH, base_key_types, load_config
 from maxtext.configs.schema import LIST_ELEMENT_TYPES
 from maxtext.inference import step_programs
@@ -60,3 +62,22 @@ def test_a_run_option_changes_neither_key_a_runtime_key_only_the_programs_and_a_
   assert _weight_key(run) == _weight_key(base) and _program_key(run) == _program_key(base)
   assert _weight_key(runtime) == _weight_key(base) and _program_key(runtime) != _program_key(base)
   assert _weight_key(model) != _weight_key(base) and _program_key(model) != _program_key(base)
+
+
+def test_bounds_and_choices_are_declared_on_keys_of_the_right_type_and_hold_for_the_defaults():
+  types = base_key_types()
+  for key in keys.KEYS.values():
+    if key.bound is not None:
+      assert key.bound in (keys.POSITIVE, keys.NON_NEGATIVE) and types[key.name] in (int, float), key.name
+    if key.choices is not None:
+      assert types[key.name] is str, key.name
+  load_config()  # the defaults pass every declared check
+
+
+def test_a_declared_bound_or_choice_error_names_the_key_the_bound_and_the_value():
+  with pytest.raises(ConfigError, match=r"^block_size=0: must be > 0$"):
+    load_config(block_size=0)
+  with pytest.raises(ConfigError, match=r"^logprobs=-1: must be >= 0$"):
+    load_config(logprobs=-1)
+  with pytest.raises(ConfigError, match=r"^kv_cache_layout='x': must be one of layer, hybrid, shuffled$"):
+    load_config(kv_cache_layout="x")

@@ -15,7 +15,7 @@ What an entry's key holds (`cache_key`), each a reason the arrays could differ:
     The ctime cannot be set back by a program (unlike the mtime), so a file rewritten in place is never taken for
     the old one;
   - the model's config keys, without those that only size the caches, the scheduler or the paths
-    (`run_options.WEIGHT_NEUTRAL_KEYS`): the model's shape, family, `weight_dtype`, any quantization key;
+    (`RUNTIME_KEYS`): the model's shape, family, `weight_dtype`, any quantization key;
   - the kernel backend's name and options (`backend_fingerprint`: e.g. `cpu_weight_panels`), and the prepared
     structure (the tree of leaves with their shapes and dtypes, as the engine computes it from the abstract model);
   - the code that converts: a SHA-256 of this package's checkpoint, model, layer, kernel and config sources, and
@@ -53,6 +53,7 @@ import numpy as np
 
 from maxtext import user_cache
 from maxtext.configs import run_options
+from maxtext.configs import keys as config_keys
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ ALIGN = 64  # bytes: every leaf starts at a multiple (what XLA's CPU buffers nee
 SUFFIX = ".weights"
 DEFAULT_MAX_BYTES = 8 << 30
 _HEADER_LENGTH = 8  # bytes of the little-endian header length after the magic line
+# Config keys that never change a parameter array (category `RUNTIME` in configs/keys.py): the checkpoint paths
+# (their content is in the key instead), the caches', scheduler's and tokenizer's settings.
+RUNTIME_KEYS = config_keys.RUNTIME_KEYS
 # The package folders whose sources decide what a checkpoint's prepared arrays hold.
 _CODE_FOLDERS = ("checkpoint", "configs", "kernels", "layers", "models")
 
@@ -151,7 +155,7 @@ def cache_key(
   """The key of an entry: everything that decides the prepared arrays (see the module docstring).
 
   Args:
-    model_keys: the model's config keys (`run_options.model_config`); `run_options.WEIGHT_NEUTRAL_KEYS` are dropped.
+    model_keys: the model's config keys (`run_options.model_config`); `RUNTIME_KEYS` are dropped.
     source: (the source's config key, its `source_digest`).
     backend: `backend_fingerprint(backend)`.
     structure: the prepared tree's structure (`str` of its treedef).
@@ -160,7 +164,7 @@ def cache_key(
   Raises:
     TypeError: a model key's value is not JSON data.
   """
-  keys = {k: v for k, v in sorted(model_keys.items()) if k not in run_options.WEIGHT_NEUTRAL_KEYS}
+  keys = {k: v for k, v in sorted(model_keys.items()) if k not in RUNTIME_KEYS}
   try:
     json.dumps(keys)
   except TypeError as e:

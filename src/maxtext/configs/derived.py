@@ -1,5 +1,8 @@
 """Validation of key combinations and every derived value, computed in one place.
 
+A key's own bound or choices are declared with it (`keys.py`); `validate` applies them, then the checks that
+relate keys, in small named functions.
+
 Derived values (added to the loaded config):
   layer_types               per-layer kinds, from `decoder_block` and `inhomogeneous_layer_cycle_interval` when
                             base.yml's `layer_types` is empty.
@@ -21,82 +24,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from maxtext.configs import families, layer_kinds
+from maxtext.configs import keys as config_keys
 from maxtext.configs.errors import ConfigError
 from maxtext.configs.layer_kinds import FULL_ATTENTION
 
 DECODER_BLOCKS = families.DECODER_BLOCKS
-DTYPES = ("float32", "bfloat16")
+DTYPES = config_keys.DTYPES
 QUANTIZATIONS = ("", "int8w")  # `quantization`: none, or int8 weight-only (the cpu kernel backend's int8 panels)
 # Physical orders of the reference runner's cache list (see inference/kv_cache_manager.py).
-KV_CACHE_LAYOUTS = ("layer", "hybrid", "shuffled")
+KV_CACHE_LAYOUTS = config_keys.KEYS["kv_cache_layout"].choices
 # The device mesh's axes and the keys that size them (see maxtext/models/sharding.py).
 MESH_AXIS_KEYS = {"data": "ici_data_parallelism", "model": "ici_tensor_parallelism", "expert": "ici_expert_parallelism"}
 
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "decoder_block": DECODER_BLOCKS,
-    "dtype": DTYPES,
-    "weight_dtype": DTYPES,
-    "kv_cache_dtype": ("auto",) + DTYPES,
-    "rope_type": ("default", "linear", "llama3", "yarn"),
-    "kv_cache_layout": KV_CACHE_LAYOUTS,
-    "output_format": ("text", "json"),
-}
-_POSITIVE = (
-    "base_emb_dim",
-    "base_num_decoder_layers",
-    "base_num_query_heads",
-    "base_num_kv_heads",
-    "head_dim",
-    "base_mlp_dim",
-    "vocab_size",
-    "inhomogeneous_layer_cycle_interval",
-    "gdn_num_key_heads",
-    "gdn_num_value_heads",
-    "gdn_key_head_dim",
-    "gdn_value_head_dim",
-    "gdn_conv_kernel_dim",
-    "gdn_chunk_size",
-    "mamba_num_heads",
-    "mamba_head_dim",
-    "mamba_state_dim",
-    "mamba_num_groups",
-    "mamba_conv_kernel_dim",
-    "mamba_chunk_size",
-    "embedding_multiplier",
-    "residual_multiplier",
-    "logits_scaling",
-    "num_experts_per_tok",
-    "decoder_sparse_step",
-    "block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "min_token_bucket",
-    "max_target_length",
-    "ici_tensor_parallelism",
-    "ici_data_parallelism",
-    "ici_expert_parallelism",
-    "rope_original_max_position_embeddings",
-)
-_NON_NEGATIVE = (
-    "greedy_head_candidates",
-    "num_kv_blocks",
-    "kv_cache_memory_bytes",
-    "sliding_window_size",
-    "num_kv_shared_layers",
-    "num_experts",
-    "base_moe_mlp_dim",
-    "shared_expert_mlp_dim",
-    "query_pre_attn_scalar",
-    "attn_logits_soft_cap",
-    "final_logits_soft_cap",
-    "logprobs",
-    "decode_sampling_temperature",
-    "seed",
-    "init_seed",
-    "mamba_time_step_min",
-    "mamba_time_step_max",
-    "attention_multiplier",
-)
+# The registered families; every other key's choices and bounds are declared with the key (configs/keys.py).
+_CHOICES: dict[str, tuple[str, ...]] = {"decoder_block": DECODER_BLOCKS}
 
 
 def _fail(key: str, value: Any, must: str) -> ConfigError:
@@ -148,12 +89,22 @@ def validate(values: Mapping[str, Any]) -> None:
   Raises:
     ConfigError: naming the key, the value given and what must hold.
   """
+  _check_single_keys(values)
+  _check_heads(values)
+  _check_mlp_and_rope(values)
+  _check_layers(values)
+  _check_runner(values)
+
+
+def _check_single_keys(values: Mapping[str, Any]) -> None:
+  """Each key alone: finite numbers, declared choices and bounds, quantization."""
   for key, value in values.items():
     if isinstance(value, float) and not math.isfinite(value):  # NaN would pass every `<` check below
       raise _fail(key, value, "must be a finite number")
   for key, choices in _CHOICES.items():
     if values[key] not in choices:
       raise _fail(key, values[key], f"must be one of {', '.join(choices)}")
+  config_keys.check_choices(values)
   if values["quantization"] not in QUANTIZATIONS:
     raise _fail(
         "quantization", values["quantization"], "must be '' (weights in weight_dtype) or 'int8w' (int8 weight-only)"
@@ -164,20 +115,20 @@ def validate(values: Mapping[str, Any]) -> None:
         f" norms, kernels whose sizes are not multiples of 32) in weight_dtype, which must then be bfloat16; got"
         f" weight_dtype={values['weight_dtype']!r}"
     )
-  for key in _POSITIVE:
-    if values[key] <= 0:
-      raise _fail(key, values[key], "must be > 0")
+  config_keys.check_bounds(values, config_keys.POSITIVE)
   if values["greedy_head_candidates"] > values["vocab_size"]:
     raise _fail(
         "greedy_head_candidates",
         values["greedy_head_candidates"],
         f"must be at most vocab_size ({values['vocab_size']}): the candidates are tokens of the vocabulary",
     )
-  for key in _NON_NEGATIVE:
-    if values[key] < 0:
-      raise _fail(key, values[key], "must be >= 0")
+  config_keys.check_bounds(values, config_keys.NON_NEGATIVE)
   if values["max_new_tokens"] < 0:
     raise _fail("max_new_tokens", values["max_new_tokens"], "must be >= 0 (0 = until eos, within max_target_length)")
+
+
+def _check_heads(values: Mapping[str, Any]) -> None:
+  """Head counts that must divide each other, the Mamba2 conv and time step."""
   hq, hkv = values["base_num_query_heads"], values["base_num_kv_heads"]
   if hq % hkv:
     raise _fail("base_num_query_heads", hq, f"must be divisible by base_num_kv_heads={hkv}")
@@ -195,6 +146,9 @@ def validate(values: Mapping[str, Any]) -> None:
   if 0 < dt_max < dt_min:
     raise _fail("mamba_time_step_max", dt_max, f"must be 0 (no limit) or >= mamba_time_step_min={dt_min}")
 
+
+def _check_mlp_and_rope(values: Mapping[str, Any]) -> None:
+  """The gated MLP activations and the rotary embedding keys."""
   acts = values["mlp_activations"]
   if len(acts) != 2 or acts[0] not in ("silu", "gelu_tanh") or acts[1] != "linear":
     raise _fail("mlp_activations", list(acts), 'must be ["silu" or "gelu_tanh", "linear"] (a gated MLP)')
@@ -225,6 +179,10 @@ def validate(values: Mapping[str, Any]) -> None:
     )
   if values["rope_attention_factor"] < 0:
     raise _fail("rope_attention_factor", values["rope_attention_factor"], "must be >= 0 (0 = derived from the factor)")
+
+
+def _check_layers(values: Mapping[str, Any]) -> None:
+  """The family's and every layer kind's checks, the per-layer lists."""
   family = families.get_family(values["decoder_block"])
   if family.check is not None:
     family.check(values)
@@ -261,6 +219,9 @@ def validate(values: Mapping[str, Any]) -> None:
     if not 0 <= layer < n:
       raise _fail("mlp_only_layers", list(values["mlp_only_layers"]), f"layer {layer} must be in [0, {n})")
 
+
+def _check_runner(values: Mapping[str, Any]) -> None:
+  """The prompt tokens, the scheduler and cache sizes, the mesh rules."""
   vocab = values["vocab_size"]
   for token in values["prompt_token_ids"]:
     if not 0 <= token < vocab:

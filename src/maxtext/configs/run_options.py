@@ -9,11 +9,9 @@ model. The run options are
     the request's `SamplingParams` and the caller's business;
   - the reference runner's CPU and compilation knobs (`RUNNER_KEYS`), which a vLLM runner has its own settings for.
 
-Everything else (the model's shape and source, dtypes, the kernel backend, the cache, layout, scheduler and mesh
-keys the runner sizes its caches and batches from) is the model's config. Of those, the keys that never change a
-parameter array (`WEIGHT_NEUTRAL_KEYS`: the checkpoint paths, the caches', scheduler's and tokenizer's settings) are
-left out of the prepared weights' key (`checkpoint/weight_cache.py`); the step programs' key
-(`inference/step_programs.py`) leaves out the run options. `key_category` names a key's category.
+The category of every key is declared in `keys.py` (`CLI`, `RUNNER`; the model's config is `MODEL` and
+`RUNTIME`). Everything else (the model's shape and source, dtypes, the kernel backend, the cache, layout, scheduler
+and mesh keys the runner sizes its caches and batches from) is the model's config.
 """
 
 from __future__ import annotations
@@ -22,65 +20,13 @@ from collections.abc import Iterable
 
 import ml_collections
 
+from maxtext.configs import keys as config_keys
 from maxtext.configs.errors import ConfigError
 
-CLI_KEYS = (
-    "prompt",
-    "prompt_token_ids",
-    "prompts_file",
-    "use_chat_template",
-    "max_new_tokens",
-    "decode_sampling_temperature",
-    "decode_sampling_top_k",
-    "decode_sampling_nucleus_p",
-    "seed",
-    "logprobs",
-    "output_format",
-    "dry_run",
-)
-RUNNER_KEYS = (
-    "compilation_cache_dir",
-    "background_compile",
-    "overlap_decode_steps",
-    "huge_page_weights",
-    "cpu_weight_panels",
-    "weight_cache",
-    "weight_cache_max_bytes",
-)
-RUN_OPTION_KEYS = CLI_KEYS + RUNNER_KEYS
-# Model keys that never change a parameter array: the checkpoint paths (the weight cache keys their content
-# instead), the caches', scheduler's and tokenizer's settings.
-WEIGHT_NEUTRAL_KEYS = frozenset(
-    {
-        "load_parameters_path",
-        "hf_model_path",
-        "gguf_model_path",
-        "tokenizer_path",
-        "kv_cache_dtype",
-        "kv_cache_layout",
-        "hybrid_kv_cache",
-        "block_size",
-        "kv_cache_memory_bytes",
-        "num_kv_blocks",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "min_token_bucket",
-        "max_target_length",
-        "enable_prefix_caching",
-        "mamba_block_size",
-    }
-)
-CLI, RUNNER, SERVING, PARAMETERS = "cli", "runner", "serving", "parameters"
-
-
-def key_category(key: str) -> str:
-  """The category of a config key: `cli` and `runner` (run options, never the model's), `serving` (the model's,
-  but no parameter depends on it: `WEIGHT_NEUTRAL_KEYS`) or `parameters` (shapes the parameters)."""
-  if key in CLI_KEYS:
-    return CLI
-  if key in RUNNER_KEYS:
-    return RUNNER
-  return SERVING if key in WEIGHT_NEUTRAL_KEYS else PARAMETERS
+# The categories are declared beside each key (`keys.py`).
+CLI_KEYS = tuple(sorted(config_keys.names(config_keys.CLI)))
+RUNNER_KEYS = tuple(sorted(config_keys.names(config_keys.RUNNER)))
+RUN_OPTION_KEYS = config_keys.RUN_OPTION_KEYS
 
 
 def model_config(cfg: ml_collections.FrozenConfigDict) -> ml_collections.FrozenConfigDict:

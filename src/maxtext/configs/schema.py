@@ -1,7 +1,8 @@
 """Types of the configuration keys and value coercion.
 
-The type of every key is the type of its default in `base.yml`; keys whose default is an empty list declare their
-element type here. Coercion is strict: an int is accepted where a float is expected, nothing else changes type.
+The type of every key is the type of its default in `base.yml`; list keys take their element type from their
+declaration in `keys.py`. Coercion is strict: an int is accepted where a float is expected, nothing else changes
+type.
 """
 
 from __future__ import annotations
@@ -12,16 +13,11 @@ from typing import Any
 
 import yaml
 
+from maxtext.configs import keys
 from maxtext.configs.errors import ConfigError
 
 # Element types of list-valued keys (their defaults may be empty, so the element type cannot be inferred).
-LIST_ELEMENT_TYPES: dict[str, type] = {
-    "mlp_activations": str,
-    "layer_types": str,
-    "mlp_only_layers": int,
-    "prompt_token_ids": int,
-    "logical_axis_rules": list,  # [logical axis, mesh axis | [mesh axes] | null] pairs
-}
+LIST_ELEMENT_TYPES = keys.LIST_ELEMENT_TYPES
 
 
 def key_types(defaults: Mapping[str, Any]) -> dict[str, type]:

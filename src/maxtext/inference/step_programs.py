@@ -7,9 +7,9 @@ larger part of a warm start once the weights come from the weight cache. This mo
 
   - the program's name, compile options and the shapes and dtypes of its inputs (the parameters, the caches, the
     batch arrays and the attention metadata's, in their tree structure) and its static layer map;
-  - the run's config without its run options (`run_options.RUN_OPTION_KEYS`: prompts, sampling, output, the
-    engine's host-side switches), which holds the model's keys and the cache, batch and layout keys, and the kernel
-    backend's name and options (`cpu_weight_panels` among them);
+  - the run's config without its run options (the `CLI` and `RUNNER` keys of configs/keys.py: prompts, sampling,
+    output, the engine's host-side switches), which holds the model's keys and the cache, batch and layout keys,
+    and the kernel backend's name and options (`cpu_weight_panels` among them);
   - a SHA-256 of this package's sources (every `.py`, `.yml`, `.cc` and `.h`), the versions of JAX, jaxlib and
     NumPy, JAX's configuration values, `XLA_FLAGS`, and the host CPU's model and feature flags (XLA compiles for
     the CPU it runs on).
@@ -313,12 +313,12 @@ def run_key(cfg: Any, backend: Any, fixed_args: Sequence[Any], layer_map: Any, *
   package's and the host's digests."""
   # pylint: disable=import-outside-toplevel  # the run options' and backends' modules import the model code
   from maxtext.checkpoint.weight_cache import backend_fingerprint
-  from maxtext.configs import run_options
+  from maxtext.configs import keys as config_keys
 
   values = cfg.as_configdict().to_dict() if hasattr(cfg, "as_configdict") else dict(cfg)
   # The run options steer the CLI and the engine's host side; the one that changes a program's operands
   # (`cpu_weight_panels`) is the backend's option, in its fingerprint.
-  keys = {k: v for k, v in sorted(values.items()) if k not in run_options.RUN_OPTION_KEYS}
+  keys = {k: v for k, v in sorted(values.items()) if k not in config_keys.RUN_OPTION_KEYS}
   return {
       "config": json.loads(json.dumps(keys, default=repr)),
       "backend": backend_fingerprint(backend),

@@ -5,13 +5,10 @@ import pytest
 
 from maxtext.configs import ConfigError, load_config
 from maxtext.configs.loader import base_key_types
-from maxtext.checkpoint import weight_cache
 from maxtext.configs.run_options import (
     CLI_KEYS,
     RUN_OPTION_KEYS,
     RUNNER_KEYS,
-    WEIGHT_NEUTRAL_KEYS,
-    key_category,
     model_config,
     reject_run_options,
 )
@@ -46,36 +43,3 @@ def test_reject_run_options_names_them_and_where():
   reject_run_options(["model_name", "block_size"], "here")  # model keys pass
   with pytest.raises(ConfigError, match=r"^somewhere sets output_format, seed: options of a maxtext-decode run"):
     reject_run_options(["seed", "dtype", "output_format"], "somewhere")
-
-
-@pytest.mark.parametrize(
-    "key, category",
-    [
-        ("prompt", "cli"),
-        ("seed", "cli"),
-        ("weight_cache", "runner"),
-        ("cpu_weight_panels", "runner"),
-        ("block_size", "serving"),
-        ("gguf_model_path", "serving"),
-        ("max_target_length", "serving"),
-        ("base_emb_dim", "parameters"),
-        ("weight_dtype", "parameters"),
-        ("quantization", "parameters"),
-    ],
-)
-def test_key_category_names_each_kind(key, category):
-  assert key_category(key) == category
-
-
-def test_every_weight_neutral_key_is_a_model_key_of_base_yml():
-  assert WEIGHT_NEUTRAL_KEYS <= set(base_key_types())
-  assert not WEIGHT_NEUTRAL_KEYS & set(RUN_OPTION_KEYS)
-
-
-def test_the_weight_cache_key_follows_the_categories():
-  """A serving key leaves the prepared weights' key alone; a parameters key changes it."""
-  model = {"model_name": "llama-tiny", "weight_dtype": "float32", "max_target_length": 64, "block_size": 16}
-  args = {"source": ("gguf_model_path", "ab" * 32), "backend": {"name": "cpu"}, "structure": "t", "leaves": []}
-  base = weight_cache.cache_key(model_keys=model, **args)
-  assert weight_cache.cache_key(model_keys={**model, "block_size": 32, "max_target_length": 128}, **args) == base
-  assert weight_cache.cache_key(model_keys={**model, "weight_dtype": "bfloat16"}, **args) != base

@@ -38,7 +38,10 @@ def key_types(defaults: Mapping[str, Any]) -> dict[str, type]:
       types[key] = type(value)
     elif isinstance(value, list):
       if key not in LIST_ELEMENT_TYPES:
-        raise ConfigError(f"base.yml key {key!r} is a list but has no element type in LIST_ELEMENT_TYPES")
+        raise ConfigError(
+            f"base.yml key {key!r} is a list but has no element type (its declaration in configs/keys.py needs"
+            " element=)"
+        )
       types[key] = list
     else:
       raise ConfigError(f"base.yml key {key!r} must default to a bool, int, float, str or list; got {value!r}")

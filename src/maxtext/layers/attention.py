@@ -20,7 +20,7 @@ from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.kernels.backend import KernelBackend
 from maxtext.kv_cache.cache_spec import AttentionSpec, kv_cache_dtype
 from maxtext.kv_cache.kv_cache_layout import get_padded_num_heads
-from maxtext.layers.initializers import declared_param, draw_key, uniform
+from maxtext.layers.initializers import draw_key, uniform
 from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mixer import KV, Mixer, register_mixer
 from maxtext.layers.normalizations import RMSNorm
@@ -175,22 +175,19 @@ class Attention(Mixer):
     self.is_kv_shared = bool(is_kv_shared)
     self.dtype = jnp.dtype(dtype)
     kw = {"dtype": dtype, "weight_dtype": weight_dtype, "rngs": rngs}
-    q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
-    self.q = DenseGeneral(emb_dim, (num_query_heads, head_dim), use_bias=use_bias, axes=q_axes, **kw)
-    self.gate = DenseGeneral(emb_dim, (num_query_heads, head_dim), axes=q_axes, **kw) if use_output_gate else None
+    self.q = DenseGeneral(emb_dim, (num_query_heads, head_dim), use_bias=use_bias, **kw)
+    self.gate = DenseGeneral(emb_dim, (num_query_heads, head_dim), **kw) if use_output_gate else None
     if is_kv_shared:
       self.k = None
       self.v = None
     else:
-      self.k = DenseGeneral(emb_dim, (num_kv_heads, head_dim), use_bias=use_bias, axes=kv_axes, **kw)
-      self.v = DenseGeneral(emb_dim, (num_kv_heads, head_dim), use_bias=use_bias, axes=kv_axes, **kw)
-    o_axes = ("heads", "head_dim", "embed")
-    self.o = DenseGeneral((num_query_heads, head_dim), emb_dim, use_bias=use_bias, axes=o_axes, **kw)
+      self.k = DenseGeneral(emb_dim, (num_kv_heads, head_dim), use_bias=use_bias, **kw)
+      self.v = DenseGeneral(emb_dim, (num_kv_heads, head_dim), use_bias=use_bias, **kw)
+    self.o = DenseGeneral((num_query_heads, head_dim), emb_dim, use_bias=use_bias, **kw)
     norm_kw = {"eps": norm_eps, "zero_centered": zero_centered_norm, "weight_dtype": weight_dtype, "rngs": rngs}
-    self.q_norm = RMSNorm(head_dim, axes=("head_dim",), **norm_kw) if use_qk_norm else None
-    self.k_norm = RMSNorm(head_dim, axes=("head_dim",), **norm_kw) if use_qk_norm and not is_kv_shared else None
-    sinks = uniform(draw_key(rngs), (num_query_heads,), weight_dtype, 1.0) if use_sinks else None
-    self.sinks = declared_param(sinks, ("heads",)) if use_sinks else None
+    self.q_norm = RMSNorm(head_dim, **norm_kw) if use_qk_norm else None
+    self.k_norm = RMSNorm(head_dim, **norm_kw) if use_qk_norm and not is_kv_shared else None
+    self.sinks = nnx.Param(uniform(draw_key(rngs), (num_query_heads,), weight_dtype, 1.0)) if use_sinks else None
 
   @classmethod
   def from_config(cls, cfg: ml_collections.FrozenConfigDict, layer_index: int, *, rngs: nnx.Rngs) -> "Attention":

@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from maxtext.kernels.backend import KernelBackend, default_backend
-from maxtext.layers.initializers import declared_param, draw_key, fan_in_uniform
+from maxtext.layers.initializers import draw_key, fan_in_uniform
 
 
 def embed_tokens(embedding: jax.Array, tokens: jax.Array, *, scale: float | None, dtype: jnp.dtype) -> jax.Array:
@@ -97,8 +97,7 @@ class Embed(nnx.Module):
     self.features = int(features)
     self.scale = math.sqrt(features) if use_scale else None
     self.dtype = jnp.dtype(dtype)
-    table = fan_in_uniform(draw_key(rngs), (num_embeddings, features), weight_dtype, features)
-    self.embedding = declared_param(table, ("vocab", "embed"))
+    self.embedding = nnx.Param(fan_in_uniform(draw_key(rngs), (num_embeddings, features), weight_dtype, features))
     self.head: nnx.Param | None = nnx.data(None)  # data, not a static attribute: `add_head_copy` may fill it
     self.head_layout: str | None = None
     self.coarse: nnx.Param | None = nnx.data(None)  # `add_coarse_copy` may fill it

@@ -18,7 +18,7 @@ from maxtext.configs.layer_kinds import LINEAR_ATTENTION, RECURRENT_CACHE
 from maxtext.kernels.attention_metadata import AttentionMetadata, recurrent_state_indices
 from maxtext.kernels.backend import KernelBackend
 from maxtext.kv_cache.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
-from maxtext.layers.initializers import computed, constant, declared_param, draw_key, fan_in_uniform, uniform
+from maxtext.layers.initializers import computed, constant, draw_key, fan_in_uniform, uniform
 from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mixer import KV, Mixer, register_mixer
 from maxtext.layers.normalizations import RMSNorm, gated_rms_norm
@@ -218,23 +218,20 @@ class GatedDeltaNet(Mixer):
     self.mamba_block_size = mamba_block_size  # tokens per state block under prefix caching (align scheme)
     self.dtype = jnp.dtype(dtype)
     kw = {"dtype": dtype, "weight_dtype": weight_dtype, "rngs": rngs}
-    self.qkv = DenseGeneral(emb_dim, self.conv_dim, axes=("embed", "gdn_channels"), **kw)
-    self.z = DenseGeneral(emb_dim, num_value_heads * value_head_dim, axes=("embed", "gdn_values"), **kw)
-    self.b = DenseGeneral(emb_dim, num_value_heads, axes=("embed", "gdn_heads"), **kw)
-    self.a = DenseGeneral(emb_dim, num_value_heads, axes=("embed", "gdn_heads"), **kw)
+    self.qkv = DenseGeneral(emb_dim, self.conv_dim, **kw)
+    self.z = DenseGeneral(emb_dim, num_value_heads * value_head_dim, **kw)
+    self.b = DenseGeneral(emb_dim, num_value_heads, **kw)
+    self.a = DenseGeneral(emb_dim, num_value_heads, **kw)
     self.conv = _Conv(conv_kernel_dim, self.conv_dim, weight_dtype=weight_dtype, rngs=rngs)
 
     def log_a():
       a = uniform(draw_key(rngs), (num_value_heads,), jnp.float32, std=7.5 / 3**0.5, mean=8.5)  # U(1, 16)
       return jnp.log(a).astype(weight_dtype)
 
-    a_log = computed(rngs, (num_value_heads,), weight_dtype, log_a)
-    self.A_log = declared_param(a_log, ("gdn_heads",))  # pylint: disable=invalid-name  # canonical name
-    self.dt_bias = declared_param(constant(rngs, (num_value_heads,), weight_dtype, 1.0), ("gdn_heads",))
-    self.norm = RMSNorm(
-        value_head_dim, eps=norm_eps, zero_centered=False, axes=(None,), weight_dtype=weight_dtype, rngs=rngs
-    )
-    self.out = DenseGeneral(num_value_heads * value_head_dim, emb_dim, axes=("gdn_values", "embed"), **kw)
+    self.A_log = nnx.Param(computed(rngs, (num_value_heads,), weight_dtype, log_a))  # pylint: disable=invalid-name
+    self.dt_bias = nnx.Param(constant(rngs, (num_value_heads,), weight_dtype, 1.0))
+    self.norm = RMSNorm(value_head_dim, eps=norm_eps, zero_centered=False, weight_dtype=weight_dtype, rngs=rngs)
+    self.out = DenseGeneral(num_value_heads * value_head_dim, emb_dim, **kw)
 
   @classmethod
   def from_config(cls, cfg: ml_collections.FrozenConfigDict, layer_index: int, *, rngs: nnx.Rngs) -> "GatedDeltaNet":
@@ -411,6 +408,4 @@ class _Conv(nnx.Module):
   """Holds the depthwise conv weight `kernel [K, C]` (HF conv1d.weight [C, 1, K] transposed)."""
 
   def __init__(self, width: int, channels: int, *, weight_dtype: jnp.dtype, rngs: nnx.Rngs):
-    self.kernel = declared_param(
-        fan_in_uniform(draw_key(rngs), (width, channels), weight_dtype, width), (None, "gdn_channels")
-    )
+    self.kernel = nnx.Param(fan_in_uniform(draw_key(rngs), (width, channels), weight_dtype, width))

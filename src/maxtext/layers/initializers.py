@@ -8,8 +8,7 @@ by the module's `nnx.Rngs` stream: a few elementwise ops compiled once per shape
 
 import functools
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -117,23 +116,3 @@ def uniform(key: jax.Array | None, shape: tuple[int, ...], dtype: jnp.dtype, std
 def fan_in_uniform(key: jax.Array | None, shape: tuple[int, ...], dtype: jnp.dtype, fan_in: int) -> Init:
   """Zero-mean uniform values with variance `1 / fan_in` (LeCun scaling)."""
   return uniform(key, shape, dtype, 1.0 / math.sqrt(fan_in))
-
-
-# The Variable metadata key holding a parameter's logical axes (read by `maxtext.models.sharding`).
-LOGICAL_AXES = "logical_axes"
-
-
-def declared_param(value: Any, axes: Sequence[str | None] | None) -> nnx.Param:
-  """A parameter holding `value` that declares its logical axes (one name, or None for a replicated axis, per
-  dimension of `value`), which `models/sharding.py` maps onto the mesh; None declares none (a layer built on its
-  own, outside a model, needs none).
-
-  Raises:
-    ValueError: `axes` does not name every dimension of `value`.
-  """
-  if axes is None:
-    return nnx.Param(value)
-  axes = tuple(axes)
-  if len(axes) != len(value.shape):
-    raise ValueError(f"logical axes {axes} must name each of the {len(value.shape)} axes of shape {tuple(value.shape)}")
-  return nnx.Param(value, **{LOGICAL_AXES: axes})

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from maxtext.kernels.backend import KernelBackend, default_backend
-from maxtext.layers.initializers import constant, declared_param, draw_key, fan_in_uniform
+from maxtext.layers.initializers import constant, draw_key, fan_in_uniform
 
 
 def _as_shape(features: int | Sequence[int], name: str) -> tuple[int, ...]:
@@ -50,27 +50,11 @@ def dense_general(
   )[0]
 
 
-def _kernel_and_bias_axes(
-    axes: Sequence[str | None] | None, in_shape: tuple[int, ...], out_shape: tuple[int, ...]
-) -> tuple[tuple[str | None, ...] | None, tuple[str | None, ...] | None]:
-  """The kernel's logical axes `[*in, *out]` and the bias's (the kernel's output axes); None for none declared."""
-  if axes is None:
-    return None, None
-  axes = tuple(axes)
-  if len(axes) != len(in_shape) + len(out_shape):
-    raise ValueError(
-        f"DenseGeneral: axes {axes} must name the kernel's {len(in_shape) + len(out_shape)} axes"
-        f" {in_shape + out_shape} (inputs, then outputs)"
-    )
-  return axes, axes[len(in_shape) :]
-
-
 class DenseGeneral(nnx.Module):
   """Linear map from `in_features` (one or more trailing axes) to `out_features` (one or more axes).
 
   Parameters: `kernel [*in, *out]` (or, after `relayout`, in a backend's own layout, named by `layout`) and, with
-  `use_bias`, `bias [*out]`. `axes` declares the kernel's logical axes (inputs then outputs; the bias takes the
-  output ones), which sharding maps onto the mesh (`models/sharding.py`).
+  `use_bias`, `bias [*out]`.
   """
 
   def __init__(
@@ -79,7 +63,6 @@ class DenseGeneral(nnx.Module):
       out_features: int | Sequence[int],
       *,
       use_bias: bool = False,
-      axes: Sequence[str | None] | None = None,
       dtype: jnp.dtype = jnp.float32,
       weight_dtype: jnp.dtype = jnp.float32,
       rngs: nnx.Rngs,
@@ -88,10 +71,8 @@ class DenseGeneral(nnx.Module):
     self.out_shape = _as_shape(out_features, "out_features")
     self.dtype = jnp.dtype(dtype)
     fan_in = math.prod(self.in_shape)
-    kernel_axes, bias_axes = _kernel_and_bias_axes(axes, self.in_shape, self.out_shape)
-    kernel = fan_in_uniform(draw_key(rngs), self.in_shape + self.out_shape, weight_dtype, fan_in)
-    self.kernel = declared_param(kernel, kernel_axes)
-    self.bias = declared_param(constant(rngs, self.out_shape, weight_dtype, 0.0), bias_axes) if use_bias else None
+    self.kernel = nnx.Param(fan_in_uniform(draw_key(rngs), self.in_shape + self.out_shape, weight_dtype, fan_in))
+    self.bias = nnx.Param(constant(rngs, self.out_shape, weight_dtype, 0.0)) if use_bias else None
     self.layout: str | None = None  # the backend layout `kernel` is in (`relayout`); None: [*in, *out]
 
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook

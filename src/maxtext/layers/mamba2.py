@@ -23,15 +23,7 @@ from maxtext.kernels.attention_metadata import AttentionMetadata, recurrent_stat
 from maxtext.kernels.backend import KernelBackend
 from maxtext.kv_cache.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
 from maxtext.layers.gated_delta_net import causal_conv1d
-from maxtext.layers.initializers import (
-    ShapeOnlyRngs,
-    computed,
-    constant,
-    declared_param,
-    draw_key,
-    fan_in_uniform,
-    uniform,
-)
+from maxtext.layers.initializers import ShapeOnlyRngs, computed, constant, draw_key, fan_in_uniform, uniform
 from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mixer import KV, Mixer, register_mixer
 
@@ -213,11 +205,9 @@ class Mamba2(Mixer):
     self.dtype = jnp.dtype(dtype)
     self.mamba_block_size = mamba_block_size  # tokens per state block under prefix caching (align scheme)
     kw = {"use_bias": proj_bias, "dtype": dtype, "weight_dtype": weight_dtype, "rngs": rngs}
-    # Replicated over the model axis (the grouped [x | B | C] channels have no per-shard layout here); only the
-    # hidden axis follows `embed`.
-    self.z = DenseGeneral(emb_dim, self.inner, axes=("embed", None), **kw)
-    self.xbc = DenseGeneral(emb_dim, self.conv_dim, axes=("embed", None), **kw)
-    self.dt = DenseGeneral(emb_dim, num_heads, axes=("embed", None), **kw)
+    self.z = DenseGeneral(emb_dim, self.inner, **kw)
+    self.xbc = DenseGeneral(emb_dim, self.conv_dim, **kw)
+    self.dt = DenseGeneral(emb_dim, num_heads, **kw)
     self.conv = _BiasedConv(conv_kernel_dim, self.conv_dim, use_bias=conv_bias, weight_dtype=weight_dtype, rngs=rngs)
     log_a = computed(
         rngs,
@@ -225,11 +215,11 @@ class Mamba2(Mixer):
         weight_dtype,
         lambda: jnp.log(jnp.arange(1, num_heads + 1, dtype=jnp.float32)).astype(weight_dtype),
     )
-    self.A_log = declared_param(log_a, (None,))  # pylint: disable=invalid-name  # canonical name
-    self.D = declared_param(constant(rngs, (num_heads,), weight_dtype, 1.0), (None,))  # pylint: disable=invalid-name
-    self.dt_bias = declared_param(uniform(draw_key(rngs), (num_heads,), weight_dtype, std=0.5, mean=0.0), (None,))
+    self.A_log = nnx.Param(log_a)  # pylint: disable=invalid-name  # canonical name
+    self.D = nnx.Param(constant(rngs, (num_heads,), weight_dtype, 1.0))  # pylint: disable=invalid-name  # canonical name
+    self.dt_bias = nnx.Param(uniform(draw_key(rngs), (num_heads,), weight_dtype, std=0.5, mean=0.0))
     self.norm = _Scale(self.inner, weight_dtype, rngs)
-    self.out = DenseGeneral(self.inner, emb_dim, axes=(None, "embed"), **kw)
+    self.out = DenseGeneral(self.inner, emb_dim, **kw)
 
   @classmethod
   def from_config(cls, cfg: ml_collections.FrozenConfigDict, layer_index: int, *, rngs: nnx.Rngs) -> "Mamba2":
@@ -394,13 +384,12 @@ class _BiasedConv(nnx.Module):
   """The depthwise conv: `kernel [K, C]` (HF conv1d.weight [C, 1, K] transposed) and `bias [C]` (or None)."""
 
   def __init__(self, width: int, channels: int, *, use_bias: bool, weight_dtype: jnp.dtype, rngs: nnx.Rngs):
-    self.kernel = declared_param(fan_in_uniform(draw_key(rngs), (width, channels), weight_dtype, width), (None, None))
-    bias = fan_in_uniform(draw_key(rngs), (channels,), weight_dtype, width) if use_bias else None
-    self.bias = declared_param(bias, (None,)) if use_bias else None
+    self.kernel = nnx.Param(fan_in_uniform(draw_key(rngs), (width, channels), weight_dtype, width))
+    self.bias = nnx.Param(fan_in_uniform(draw_key(rngs), (channels,), weight_dtype, width)) if use_bias else None
 
 
 class _Scale(nnx.Module):
   """The gated norm's weight `scale [I]` (init 1)."""
 
   def __init__(self, features: int, weight_dtype: jnp.dtype, rngs: nnx.Rngs | ShapeOnlyRngs):
-    self.scale = declared_param(constant(rngs, (features,), weight_dtype, 1.0), (None,))
+    self.scale = nnx.Param(constant(rngs, (features,), weight_dtype, 1.0))

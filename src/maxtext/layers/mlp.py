@@ -46,9 +46,9 @@ class MLP(nnx.Module):
     get_activation(activation)
     self.activation = activation
     kw = {"use_bias": use_bias, "dtype": dtype, "weight_dtype": weight_dtype, "rngs": rngs}
-    self.gate = DenseGeneral(emb_dim, mlp_dim, axes=("embed", "mlp"), **kw)
-    self.up = DenseGeneral(emb_dim, mlp_dim, axes=("embed", "mlp"), **kw)
-    self.down = DenseGeneral(mlp_dim, emb_dim, axes=("mlp", "embed"), **kw)
+    self.gate = DenseGeneral(emb_dim, mlp_dim, **kw)
+    self.up = DenseGeneral(emb_dim, mlp_dim, **kw)
+    self.down = DenseGeneral(mlp_dim, emb_dim, **kw)
 
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
       self, x: jax.Array, backend: KernelBackend | None = None

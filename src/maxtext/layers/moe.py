@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtext.kernels.backend import EXPERT_METHODS, KernelBackend, default_backend
-from maxtext.layers.initializers import declared_param, draw_key, fan_in_uniform, uniform
+from maxtext.layers.initializers import draw_key, fan_in_uniform, uniform
 from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mlp import MLP, clamped_swiglu, get_activation
 
@@ -87,24 +87,22 @@ class MoE(nnx.Module):
     self.activation = activation
     self.method = method
     self.dtype = jnp.dtype(dtype)
-    kw = {"dtype": dtype, "weight_dtype": weight_dtype, "rngs": rngs}
-    self.router = DenseGeneral(emb_dim, num_experts, use_bias=use_bias, axes=("embed", None), **kw)
-    up_shape, down_shape = (num_experts, emb_dim, moe_mlp_dim), (num_experts, moe_mlp_dim, emb_dim)
-    up_axes = ("exp", "embed", "mlp")
-    self.gate = declared_param(fan_in_uniform(draw_key(rngs), up_shape, weight_dtype, emb_dim), up_axes)
-    self.up = declared_param(fan_in_uniform(draw_key(rngs), up_shape, weight_dtype, emb_dim), up_axes)
-    down = fan_in_uniform(draw_key(rngs), down_shape, weight_dtype, moe_mlp_dim)
-    self.down = declared_param(down, ("exp", "mlp", "embed"))
+    self.router = DenseGeneral(emb_dim, num_experts, use_bias=use_bias, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
+    up_shape = (num_experts, emb_dim, moe_mlp_dim)
+    self.gate = nnx.Param(fan_in_uniform(draw_key(rngs), up_shape, weight_dtype, emb_dim))
+    self.up = nnx.Param(fan_in_uniform(draw_key(rngs), up_shape, weight_dtype, emb_dim))
+    self.down = nnx.Param(fan_in_uniform(draw_key(rngs), (num_experts, moe_mlp_dim, emb_dim), weight_dtype, moe_mlp_dim))
     if use_bias:  # random (not zero) so that dummy weights exercise them
-      bias = functools.partial(uniform, std=0.1)
-      self.gate_bias = declared_param(bias(draw_key(rngs), (num_experts, moe_mlp_dim), weight_dtype), ("exp", "mlp"))
-      self.up_bias = declared_param(bias(draw_key(rngs), (num_experts, moe_mlp_dim), weight_dtype), ("exp", "mlp"))
-      self.down_bias = declared_param(bias(draw_key(rngs), (num_experts, emb_dim), weight_dtype), ("exp", "embed"))
+      self.gate_bias = nnx.Param(uniform(draw_key(rngs), (num_experts, moe_mlp_dim), weight_dtype, 0.1))
+      self.up_bias = nnx.Param(uniform(draw_key(rngs), (num_experts, moe_mlp_dim), weight_dtype, 0.1))
+      self.down_bias = nnx.Param(uniform(draw_key(rngs), (num_experts, emb_dim), weight_dtype, 0.1))
     else:
       self.gate_bias = self.up_bias = self.down_bias = None
     if shared_mlp_dim > 0:
-      self.shared = MLP(emb_dim, shared_mlp_dim, activation=activation, **kw)
-      self.shared_gate = DenseGeneral(emb_dim, 1, axes=("embed", None), **kw) if gate_shared else None
+      self.shared = MLP(emb_dim, shared_mlp_dim, activation=activation, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
+      self.shared_gate = (
+          DenseGeneral(emb_dim, 1, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs) if gate_shared else None
+      )
     else:
       self.shared = None
       self.shared_gate = None

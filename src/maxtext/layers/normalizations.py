@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtext.layers.initializers import ShapeOnlyRngs, constant, declared_param
+from maxtext.layers.initializers import ShapeOnlyRngs, constant
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, *, eps: float, zero_centered: bool) -> jax.Array:
@@ -54,7 +54,6 @@ class RMSNorm(nnx.Module):
       *,
       eps: float,
       zero_centered: bool,
-      axes: tuple[str | None] | None = None,
       weight_dtype: jnp.dtype = jnp.float32,
       rngs: nnx.Rngs | ShapeOnlyRngs | None = None,
   ):
@@ -62,8 +61,7 @@ class RMSNorm(nnx.Module):
       raise ValueError(f"RMSNorm num_features must be positive, got {num_features}")
     self.eps = float(eps)
     self.zero_centered = bool(zero_centered)
-    scale = constant(rngs, (num_features,), weight_dtype, 0.0 if zero_centered else 1.0)
-    self.scale = declared_param(scale, axes)  # `axes`: its logical axis (`models/sharding.py`)
+    self.scale = nnx.Param(constant(rngs, (num_features,), weight_dtype, 0.0 if zero_centered else 1.0))
 
   def __call__(self, x: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
     """Normalises `[..., N]` -> `[..., N]` (input dtype)."""

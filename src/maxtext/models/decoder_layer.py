@@ -32,7 +32,6 @@ class DecoderLayer(nnx.Module):
     norm_kw = {
         "eps": cfg.normalization_layer_epsilon,
         "zero_centered": cfg.use_zero_centered_norm,
-        "axes": ("embed",),
         "weight_dtype": weight_dtype,
         "rngs": rngs,
     }

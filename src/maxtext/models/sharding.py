@@ -3,7 +3,7 @@
 This package's mesh has the axes `data`, `model` and `expert`, sized by `ici_data_parallelism`,
 `ici_tensor_parallelism` and `ici_expert_parallelism`; a runner's mesh may lack some of them (tpu-inference's
 default mesh has only `data` and `model`), and a missing axis counts as size 1. Every parameter has logical axes
-declared by the layer that creates it (`param_logical_axes`); `logical_axis_rules` (config key, a list of `[logical axis,
+given by its canonical name (`param_logical_axes`); `logical_axis_rules` (config key, a list of `[logical axis,
 mesh axis or null]` pairs) maps them onto mesh axes.
 Parameters are created directly sharded (`create_sharded_model`: the initialiser runs under `jax.jit` with the
 shardings as its outputs, so no device ever holds a whole parameter it does not own). KV caches take the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,7 +31,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from maxtext.configs.derived import MESH_AXIS_KEYS
 from maxtext.configs.errors import ConfigError
 from maxtext.kv_cache.cache_spec import AttentionSpec, KVCacheSpec
-from maxtext.layers.initializers import LOGICAL_AXES
 from maxtext.models.params import assign_params, flat_param_shapes, get_flat_params
 from maxtext.models.transformer import Transformer, abstract_model
 
@@ -40,33 +40,63 @@ MESH_AXES = tuple(MESH_AXIS_KEYS)
 # heads up to the tensor-parallel size).
 REPLICATE_IF_INDIVISIBLE = frozenset({"kv_heads"})
 
+# Canonical name suffix -> logical axes, first match wins. `layers.{i}.` is stripped before matching.
+_PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"embedder\.embedding", ("vocab", "embed")),
+    (r"lm_head\.kernel", ("embed", "vocab")),
+    (r"attn\.(q|gate)\.kernel", ("embed", "heads", "head_dim")),
+    (r"attn\.(k|v)\.kernel", ("embed", "kv_heads", "head_dim")),
+    (r"attn\.o\.kernel", ("heads", "head_dim", "embed")),
+    (r"attn\.q\.bias", ("heads", "head_dim")),
+    (r"attn\.(k|v)\.bias", ("kv_heads", "head_dim")),
+    (r"attn\.o\.bias", ("embed",)),
+    (r"attn\.(q|k)_norm\.scale", ("head_dim",)),
+    (r"gdn\.qkv\.kernel", ("embed", "gdn_channels")),
+    (r"gdn\.z\.kernel", ("embed", "gdn_values")),
+    (r"gdn\.(a|b)\.kernel", ("embed", "gdn_heads")),
+    (r"gdn\.conv\.kernel", (None, "gdn_channels")),
+    (r"gdn\.(A_log|dt_bias)", ("gdn_heads",)),
+    (r"gdn\.norm\.scale", (None,)),
+    (r"gdn\.out\.kernel", ("gdn_values", "embed")),
+    # Mamba2 parameters stay replicated over the model axis (its grouped [x | B | C] channels have no per-shard
+    # layout here); only the hidden axis follows `embed`.
+    (r"mamba\.(z|xbc|dt)\.kernel", ("embed", None)),
+    (r"mamba\.(z|xbc|dt|conv)\.bias", (None,)),
+    (r"mamba\.conv\.kernel", (None, None)),
+    (r"mamba\.(A_log|D|dt_bias)", (None,)),
+    (r"mamba\.norm\.scale", (None,)),
+    (r"mamba\.out\.kernel", (None, "embed")),
+    (r"mamba\.out\.bias", ("embed",)),
+    (r"(mlp|moe\.shared)\.(gate|up)\.kernel", ("embed", "mlp")),
+    (r"(mlp|moe\.shared)\.down\.kernel", ("mlp", "embed")),
+    (r"mlp\.(gate|up)\.bias", ("mlp",)),
+    (r"mlp\.down\.bias", ("embed",)),
+    (r"attn\.sinks", ("heads",)),
+    (r"moe\.router\.kernel", ("embed", None)),
+    (r"moe\.router\.bias", (None,)),
+    (r"moe\.(gate|up)_bias", ("exp", "mlp")),
+    (r"moe\.down_bias", ("exp", "embed")),
+    (r"moe\.shared_gate\.kernel", ("embed", None)),
+    (r"moe\.(gate|up)", ("exp", "embed", "mlp")),
+    (r"moe\.down", ("exp", "mlp", "embed")),
+    (r"[\w.]*norm\.scale", ("embed",)),
+)
+_LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
 
-def param_logical_axes(model: nnx.Module) -> dict[str, tuple[str | None, ...]]:
-  """`{canonical name: logical axes}` of every parameter of `model`, as each layer declared them where it creates
-  the parameter (`layers.initializers.declared_param`).
+
+def param_logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
+  """The logical axes of the parameter with this canonical name.
 
   Raises:
-    ValueError: a parameter declares none (naming it and the module that holds it).
+    ValueError: the name matches no rule, or its rule has another rank than the parameter.
   """
-  out = {}
-  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    name = ".".join(str(p) for p in path)
-    axes = getattr(var, LOGICAL_AXES, None)
-    if axes is None:
-      raise ValueError(
-          f"parameter {name!r} (of {_owner(model, path)}) declares no logical axes: create it with"
-          " layers.initializers.declared_param (or DenseGeneral / RMSNorm axes=...) so that it can be sharded"
-      )
-    out[name] = tuple(axes)
-  return out
-
-
-def _owner(model: nnx.Module, path: tuple[Any, ...]) -> str:
-  """The class name of the module holding the parameter at `path`."""
-  node = model
-  for key in path[:-1]:
-    node = node[key] if isinstance(key, int) else getattr(node, key)
-  return type(node).__name__
+  short = _LAYER_PREFIX.sub("", name)
+  for pattern, axes in _PARAM_AXES:
+    if re.fullmatch(pattern, short):
+      if len(axes) != ndim:
+        raise ValueError(f"parameter {name!r} has rank {ndim} but its logical axes are {axes}")
+      return axes
+  raise ValueError(f"parameter {name!r} has no logical axes (add a rule to maxtext.models.sharding._PARAM_AXES)")
 
 
 def axis_rules(cfg: ml_collections.FrozenConfigDict) -> dict[str, tuple[str, ...]]:
@@ -135,12 +165,11 @@ def partition_spec(
 def param_shardings(cfg: ml_collections.FrozenConfigDict, mesh: Mesh) -> dict[str, NamedSharding]:
   """`{canonical name: NamedSharding}` of every parameter of the model of `cfg` (from shapes only)."""
   rules = axis_rules(cfg)
-  model = abstract_model(cfg)
-  shapes = get_flat_params(model)
-  return {
-      name: NamedSharding(mesh, partition_spec(name, shapes[name].shape, axes, rules, mesh))
-      for name, axes in param_logical_axes(model).items()
-  }
+  out = {}
+  for name, leaf in flat_param_shapes(cfg).items():
+    axes = param_logical_axes(name, len(leaf.shape))
+    out[name] = NamedSharding(mesh, partition_spec(name, leaf.shape, axes, rules, mesh))
+  return out
 
 
 def create_sharded_model(cfg: ml_collections.FrozenConfigDict, mesh: Mesh, rng_key: jax.Array) -> Transformer:

@@ -40,16 +40,13 @@ class Transformer(nnx.Module):
         d,
         eps=cfg.normalization_layer_epsilon,
         zero_centered=cfg.use_zero_centered_norm,
-        axes=("embed",),
         weight_dtype=weight_dtype,
         rngs=rngs,
     )
     if cfg.logits_via_embedding:
       self.lm_head = None
     else:
-      self.lm_head = DenseGeneral(
-          d, cfg.vocab_size, axes=("embed", "vocab"), dtype=self.dtype, weight_dtype=weight_dtype, rngs=rngs
-      )
+      self.lm_head = DenseGeneral(d, cfg.vocab_size, dtype=self.dtype, weight_dtype=weight_dtype, rngs=rngs)
     self.final_logits_soft_cap = float(cfg.final_logits_soft_cap)
     self.embedding_multiplier = float(cfg.embedding_multiplier)
     self.logits_scaling = float(cfg.logits_scaling)

@@ -169,3 +169,16 @@ def test_hf_field_helpers():
   assert json_float({"__float__": "Infinity"}, "k") == float("inf")
   with pytest.raises(ValueError, match="k must hold numbers"):
     json_float("x", "k")
+
+
+def test_a_registered_family_joins_the_registry_and_a_claimed_name_is_refused():
+  before = list(DECODER_BLOCKS)
+  qwen3 = families.get_family("qwen3")
+  assert families.register_family(qwen3) is qwen3  # the same record again: nothing changes
+  with pytest.raises(ValueError, match="decoder_block 'qwen3' is registered twice"):
+    families.register_family(dataclasses.replace(qwen3))
+  with pytest.raises(ValueError, match="Hugging Face model_type 'qwen3' belongs to both 'qwen3' and 'qwen3_copy'"):
+    families.register_family(dataclasses.replace(qwen3, name="qwen3_copy"))
+  assert list(DECODER_BLOCKS) == before and len(DECODER_BLOCKS) == len(before)
+  assert "qwen3" in DECODER_BLOCKS and "qwen3_copy" not in DECODER_BLOCKS and DECODER_BLOCKS[0] == before[0]
+  assert repr(DECODER_BLOCKS) == repr(tuple(before))

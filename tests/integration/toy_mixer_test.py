@@ -18,6 +18,7 @@ from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
 from maxtext.kv_cache import kv_cache_spec
 from maxtext.kv_cache.cache_spec import RecurrentSpec
+from maxtext.layers.declarations import ParamDecl
 from maxtext.layers.linears import DenseGeneral
 from maxtext.layers.mixer import Mixer, register_mixer
 from maxtext.models import Transformer
@@ -49,6 +50,12 @@ class RunningMean(Mixer):
   def cache_spec(cls, cfg, layer_index):
     """One fp32 row of D per state slot."""
     return RecurrentSpec(cfg.layer_types[layer_index], ("sum",), ((cfg.base_emb_dim,),), ("float32",))
+
+  @classmethod
+  def declare(cls, cfg, layer_index, stored=()):
+    """`out.kernel [D, D]`, its input axis sharded as the hidden state is; no checkpoint holds this kind."""
+    del cfg, layer_index, stored
+    return [ParamDecl("out.kernel", ("embed", None))]
 
   def __call__(self, x, positions, shared_kv=None, *, chunked=True):  # pylint: disable=arguments-differ
     """The running mean over the whole sequence, projected."""

@@ -21,11 +21,6 @@ from maxtext.configs.families.hf_fields import HFFields
 
 logger = logging.getLogger(__name__)
 
-# text model_type -> decoder_block, from the families' mappings
-DECODER_BLOCKS: dict[str, str] = {t: families.family_of_hf_model_type(t).name for t in families.hf_text_model_types()}
-# multimodal model_type -> model_type of its text_config
-MULTIMODAL_TEXT_TYPES: dict[str, str] = families.hf_multimodal_model_types()
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(set(DECODER_BLOCKS) | set(MULTIMODAL_TEXT_TYPES)))
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -54,23 +49,30 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
   return raw
 
 
+def supported_model_types() -> tuple[str, ...]:
+  """Every Hugging Face model_type (text or multimodal) a registered family maps, sorted."""
+  return tuple(sorted(set(families.hf_text_model_types()) | set(families.hf_multimodal_model_types())))
+
+
 def _text_config(hf_config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
   """Returns (text config dict, text model_type) of a text-only or multimodal config."""
   model_type = hf_config.get("model_type")
-  if model_type in MULTIMODAL_TEXT_TYPES:
+  # Asked of the registry on each call: a family registered after import maps its model types too.
+  multimodal_text_types = families.hf_multimodal_model_types()
+  if model_type in multimodal_text_types:
     text = hf_config.get("text_config")
     if not isinstance(text, Mapping):
       raise ValueError(f"Hugging Face config of multimodal model_type {model_type!r} must have a text_config object")
-    text_type = text.get("model_type", MULTIMODAL_TEXT_TYPES[model_type])
-    if text_type != MULTIMODAL_TEXT_TYPES[model_type]:
+    text_type = text.get("model_type", multimodal_text_types[model_type])
+    if text_type != multimodal_text_types[model_type]:
       raise NotImplementedError(
           f"text_config.model_type {text_type!r} of a {model_type!r} model is not supported "
-          f"(expected {MULTIMODAL_TEXT_TYPES[model_type]!r})"
+          f"(expected {multimodal_text_types[model_type]!r})"
       )
     return text, text_type
-  if model_type not in DECODER_BLOCKS:
+  if model_type not in families.hf_text_model_types():
     raise NotImplementedError(
-        f"Hugging Face model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        f"Hugging Face model_type {model_type!r} is not supported (supported: {', '.join(supported_model_types())})"
     )
   return hf_config, model_type
 

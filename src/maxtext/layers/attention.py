@@ -9,6 +9,8 @@ only the core op with the kernel backend's ragged paged attention while reusing 
 `Attention` is the mixer of the `full_attention` and `sliding_attention` layer kinds.
 """
 
+from collections.abc import Container
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -20,11 +22,13 @@ from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.kernels.backend import KernelBackend
 from maxtext.kv_cache.cache_spec import AttentionSpec, kv_cache_dtype
 from maxtext.kv_cache.kv_cache_layout import get_padded_num_heads
+from maxtext.layers.declarations import ParamDecl
 from maxtext.layers.initializers import draw_key, uniform
 from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mixer import KV, Mixer, register_mixer
 from maxtext.layers.normalizations import RMSNorm
 from maxtext.layers.rotary import RopeSpec, apply_rope
+from maxtext.layers.tensor_sources import gated_q, head_bias, heads_in, o_proj, refused, same
 
 
 def rope_spec(cfg: ml_collections.FrozenConfigDict, layer_type: str) -> RopeSpec:
@@ -245,6 +249,46 @@ class Attention(Mixer):
         sliding_window=cfg.sliding_window_size if layer_type == SLIDING_ATTENTION else None,
         num_shards=tp,
     )
+
+  @classmethod
+  def declare(
+      cls, cfg: ml_collections.FrozenConfigDict, layer_index: int, stored: Container[str] = ()
+  ) -> list[ParamDecl]:
+    """The parameters of layer `layer_index`'s attention, filled from Hugging Face's `self_attn.*`: q/k/v_proj
+    `[H*Dh, D]` -> `[D, H, Dh]` (a gated q_proj holds `[q_h | gate_h]` rows per head), o_proj `[D, Hq*Dh]` ->
+    `[Hq, Dh, D]`, their biases, `sinks`, `q_norm` / `k_norm`. A KV-shared layer has no k/v or k_norm."""
+    del stored  # one layout
+    p = "self_attn."
+    d, hq, hkv, dh = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
+    shared = cfg.kv_shared_source[layer_index] >= 0
+    q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+    if cfg.use_attention_output_gate:
+      q = gated_q(p + "q_proj.weight", hq, dh, d)
+      decls = [ParamDecl("q.kernel", q_axes, q, 0)]
+      if cfg.attention_bias:
+        refusal = (
+            f"layer {layer_index}: attention_bias with the gated attention of decoder_block={cfg.decoder_block!r}"
+            " is not supported"
+        )
+        decls.append(ParamDecl("gate.kernel", q_axes, refused(refusal)))
+      else:
+        decls.append(ParamDecl("gate.kernel", q_axes, q, 1))
+    else:
+      decls = [ParamDecl("q.kernel", q_axes, heads_in(p + "q_proj.weight", hq, dh, d))]
+    kv = () if shared else ("k", "v")
+    decls += [ParamDecl(f"{n}.kernel", kv_axes, heads_in(p + f"{n}_proj.weight", hkv, dh, d)) for n in kv]
+    decls.append(ParamDecl("o.kernel", ("heads", "head_dim", "embed"), o_proj(p + "o_proj.weight", hq, dh, d)))
+    if cfg.attention_bias:
+      decls.append(ParamDecl("q.bias", ("heads", "head_dim"), head_bias(p + "q_proj.bias", hq, dh)))
+      decls += [ParamDecl(f"{n}.bias", ("kv_heads", "head_dim"), head_bias(p + f"{n}_proj.bias", hkv, dh)) for n in kv]
+      decls.append(ParamDecl("o.bias", ("embed",), same(p + "o_proj.bias", (d,))))
+    if cfg.use_attention_sinks:
+      decls.append(ParamDecl("sinks", ("heads",), same(p + "sinks", (hq,))))
+    if cfg.use_qk_norm:
+      decls.append(ParamDecl("q_norm.scale", ("head_dim",), same(p + "q_norm.weight", (dh,))))
+      if not shared:
+        decls.append(ParamDecl("k_norm.scale", ("head_dim",), same(p + "k_norm.weight", (dh,))))
+    return decls
 
   def query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     """Queries after q-norm and RoPE: `[..., T, D] -> [..., T, Hq, Dh]`."""

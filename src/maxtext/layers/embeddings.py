@@ -11,7 +11,9 @@ import numpy as np
 from flax import nnx
 
 from maxtext.kernels.backend import KernelBackend, default_backend
+from maxtext.layers.declarations import ParamDecl
 from maxtext.layers.initializers import draw_key, fan_in_uniform
+from maxtext.layers.tensor_sources import same
 
 
 def embed_tokens(embedding: jax.Array, tokens: jax.Array, *, scale: float | None, dtype: jnp.dtype) -> jax.Array:
@@ -103,6 +105,12 @@ class Embed(nnx.Module):
     self.coarse: nnx.Param | None = nnx.data(None)  # `add_coarse_copy` may fill it
     self.coarse_layout: str | None = None
     self.coarse_candidates = 0
+
+  @classmethod
+  def declare(cls, num_embeddings: int, features: int, tensor: str) -> list[ParamDecl]:
+    """`embedding [V, D]`, stored as Hugging Face's `tensor` (the copies a backend adds are not parameters of a
+    checkpoint and not declared)."""
+    return [ParamDecl("embedding", ("vocab", "embed"), same(tensor, (num_embeddings, features)))]
 
   def __call__(self, tokens: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
     """Embeds `[...]` ids -> `[..., D]`."""

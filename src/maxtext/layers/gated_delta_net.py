@@ -7,21 +7,28 @@ the `linear_attention` layer kind; its paged path is one call of the kernel back
 """
 
 import math
+from collections.abc import Container
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import nnx
 
+from maxtext.configs import families
 from maxtext.configs.derived import state_block_size
+from maxtext.configs.families.family import GDN_GROUPED
 from maxtext.configs.layer_kinds import LINEAR_ATTENTION, RECURRENT_CACHE
 from maxtext.kernels.attention_metadata import AttentionMetadata, recurrent_state_indices
 from maxtext.kernels.backend import KernelBackend
 from maxtext.kv_cache.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
+from maxtext.layers.declarations import ParamDecl
 from maxtext.layers.initializers import computed, constant, draw_key, fan_in_uniform, uniform
 from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mixer import KV, Mixer, register_mixer
 from maxtext.layers.normalizations import RMSNorm, gated_rms_norm
+from maxtext.layers.tensor_sources import Reader, Source, cast, depthwise_conv, linear, same
 
 L2_NORM_EPS = 1e-6
 
@@ -177,6 +184,32 @@ def delta_rule_chunked(
   return o, state
 
 
+def grouped_qkvz(tensor: str, nk: int, nv: int, hk: int, hv: int, hidden: int) -> Source:
+  """Qwen3-Next's in_proj_qkvz, rows grouped per key head g (`[q_g hk | k_g hk | v_g r*hv | z_g r*hv]`), -> the
+  flat layout qkv `[D, C]` (`[q nk*hk | k nk*hk | v nv*hv]`, part 0) and z `[D, nv*hv]` (part 1)."""
+  r = nv // nk
+
+  def convert(read: Reader, dt: Any) -> tuple[np.ndarray, ...]:
+    w = read(0).reshape(nk, 2 * hk + 2 * r * hv, hidden)
+    q, k, v, zz = w[:, :hk], w[:, hk : 2 * hk], w[:, 2 * hk : 2 * hk + r * hv], w[:, 2 * hk + r * hv :]
+    flat = np.concatenate([q.reshape(nk * hk, hidden), k.reshape(nk * hk, hidden), v.reshape(nv * hv, hidden)])
+    return cast(flat.T, dt), cast(zz.reshape(nv * hv, hidden).T, dt)
+
+  conv_dim = 2 * nk * hk + nv * hv
+  return Source((tensor,), ((2 * nk * hk + 2 * nv * hv, hidden),), ((hidden, conv_dim), (hidden, nv * hv)), convert)
+
+
+def grouped_ba(tensor: str, nk: int, nv: int, hidden: int) -> Source:
+  """Qwen3-Next's in_proj_ba, rows per key head `[b_g r | a_g r]`, -> b (part 0), a (part 1) `[D, nv]`."""
+  r = nv // nk
+
+  def convert(read: Reader, dt: Any) -> tuple[np.ndarray, ...]:
+    w = read(0).reshape(nk, 2 * r, hidden)
+    return cast(w[:, :r].reshape(nv, hidden).T, dt), cast(w[:, r:].reshape(nv, hidden).T, dt)
+
+  return Source((tensor,), ((2 * nv, hidden),), ((hidden, nv), (hidden, nv)), convert)
+
+
 @register_mixer
 class GatedDeltaNet(Mixer):
   """Gated DeltaNet mixer with parameters `qkv`, `z`, `b`, `a`, `conv`, `A_log`, `dt_bias`, `norm`, `out`.
@@ -264,6 +297,42 @@ class GatedDeltaNet(Mixer):
         ),
         state_dtypes=(cfg.dtype, RECURRENT_STATE_DTYPE),
     )
+
+  @classmethod
+  def declare(
+      cls, cfg: ml_collections.FrozenConfigDict, layer_index: int, stored: Container[str] = ()
+  ) -> list[ParamDecl]:
+    """The parameters of a linear_attention layer, filled from Hugging Face's `linear_attn.*`: the input
+    projections as the family's layout stores them (Qwen3.5's `in_proj_qkv` / `_z` / `_b` / `_a`, or Qwen3-Next's
+    `in_proj_qkvz` / `in_proj_ba` grouped per key head), conv1d `[C, 1, K]` -> `[K, C]`, `A_log`, `dt_bias`,
+    the output norm and `out_proj`."""
+    del layer_index, stored  # every linear_attention layer has the same shape and layout
+    p, d = "linear_attn.", cfg.base_emb_dim
+    nk, nv, hk, hv = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads, cfg.gdn_key_head_dim, cfg.gdn_value_head_dim
+    conv_dim = cfg.gdn_conv_dim
+    if families.get_family(cfg.decoder_block).tensors.gdn_projections == GDN_GROUPED:
+      qkvz, ba = grouped_qkvz(p + "in_proj_qkvz.weight", nk, nv, hk, hv, d), grouped_ba(
+          p + "in_proj_ba.weight", nk, nv, d
+      )
+      inputs = {"qkv": (qkvz, 0), "z": (qkvz, 1), "b": (ba, 0), "a": (ba, 1)}
+    else:
+      inputs = {
+          "qkv": (linear(p + "in_proj_qkv.weight", conv_dim, d), 0),
+          "z": (linear(p + "in_proj_z.weight", nv * hv, d), 0),
+          "b": (linear(p + "in_proj_b.weight", nv, d), 0),
+          "a": (linear(p + "in_proj_a.weight", nv, d), 0),
+      }
+    axes = {"qkv": ("embed", "gdn_channels"), "z": ("embed", "gdn_values"), "b": ("embed", "gdn_heads")}
+    axes["a"] = axes["b"]
+    return [ParamDecl(f"{n}.kernel", axes[n], *inputs[n]) for n in ("qkv", "z", "b", "a")] + [
+        ParamDecl(
+            "conv.kernel", (None, "gdn_channels"), depthwise_conv(p + "conv1d.weight", conv_dim, cfg.gdn_conv_kernel_dim)
+        ),
+        ParamDecl("A_log", ("gdn_heads",), same(p + "A_log", (nv,))),
+        ParamDecl("dt_bias", ("gdn_heads",), same(p + "dt_bias", (nv,))),
+        ParamDecl("norm.scale", (None,), same(p + "norm.weight", (hv,))),
+        ParamDecl("out.kernel", ("gdn_values", "embed"), linear(p + "out_proj.weight", d, nv * hv)),
+    ]
 
   def project(
       self, x: jax.Array, backend: KernelBackend | None = None

@@ -11,6 +11,7 @@ channels. `Mamba2` is the mixer of the `mamba` layer kind; its paged path is one
 """
 
 import math
+from collections.abc import Container
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +23,12 @@ from maxtext.configs.layer_kinds import MAMBA, RECURRENT_CACHE
 from maxtext.kernels.attention_metadata import AttentionMetadata, recurrent_state_indices
 from maxtext.kernels.backend import KernelBackend
 from maxtext.kv_cache.cache_spec import RECURRENT_STATE_DTYPE, RecurrentSpec
+from maxtext.layers.declarations import ParamDecl
 from maxtext.layers.gated_delta_net import causal_conv1d
 from maxtext.layers.initializers import ShapeOnlyRngs, computed, constant, draw_key, fan_in_uniform, uniform
 from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mixer import KV, Mixer, register_mixer
+from maxtext.layers.tensor_sources import depthwise_conv, linear, same, split_rows
 
 
 def time_step(dt: jax.Array, dt_bias: jax.Array, time_step_limit: tuple[float, float]) -> jax.Array:
@@ -255,6 +258,36 @@ class Mamba2(Mixer):
         ),
         state_dtypes=(cfg.dtype, RECURRENT_STATE_DTYPE),
     )
+
+  @classmethod
+  def declare(
+      cls, cfg: ml_collections.FrozenConfigDict, layer_index: int, stored: Container[str] = ()
+  ) -> list[ParamDecl]:
+    """The parameters of a mamba layer, filled from Hugging Face's `mamba.*`: in_proj `[I + C + nh, D]` split by
+    rows into z, xbc and dt (and its bias likewise), conv1d, `A_log`, `D`, `dt_bias`, the norm and `out_proj`.
+    They stay replicated over the model axis (the grouped `[x | B | C]` channels have no per-shard layout here);
+    only the hidden axis follows `embed`."""
+    del layer_index, stored  # every mamba layer has the same shape and layout
+    p = "mamba."
+    d, nh, inner, conv_dim = cfg.base_emb_dim, cfg.mamba_num_heads, cfg.mamba_inner_dim, cfg.mamba_conv_dim
+    names, sizes = ("z", "xbc", "dt"), (inner, conv_dim, nh)
+    in_proj = split_rows(p + "in_proj.weight", sizes, d)
+    decls = [ParamDecl(f"{n}.kernel", ("embed", None), in_proj, j) for j, n in enumerate(names)]
+    decls += [
+        ParamDecl("conv.kernel", (None, None), depthwise_conv(p + "conv1d.weight", conv_dim, cfg.mamba_conv_kernel_dim)),
+        ParamDecl("A_log", (None,), same(p + "A_log", (nh,))),
+        ParamDecl("D", (None,), same(p + "D", (nh,))),
+        ParamDecl("dt_bias", (None,), same(p + "dt_bias", (nh,))),
+        ParamDecl("norm.scale", (None,), same(p + "norm.weight", (inner,))),
+        ParamDecl("out.kernel", (None, "embed"), linear(p + "out_proj.weight", d, inner)),
+    ]
+    if cfg.mamba_conv_bias:
+      decls.append(ParamDecl("conv.bias", (None,), same(p + "conv1d.bias", (conv_dim,))))
+    if cfg.mamba_proj_bias:
+      in_bias = split_rows(p + "in_proj.bias", sizes, None)
+      decls += [ParamDecl(f"{n}.bias", (None,), in_bias, j) for j, n in enumerate(names)]
+      decls.append(ParamDecl("out.bias", ("embed",), same(p + "out_proj.bias", (d,))))
+    return decls
 
   def project(self, x: jax.Array, backend: KernelBackend | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The input projection on `backend` (default: the reference backend): `[..., D]` -> z `[..., I]`,

@@ -9,13 +9,15 @@ mixer class of the kind:
   - `paged(x, positions, cache, md, backend)`: the runner-path forward over its own cache and metadata, reaching
     kernels only through the kernel backend;
   - `cache_spec(cfg, layer_index)`: the cache it asks the runner for, whose `validate(name, cache, slot)` checks
-    the slot it is handed.
+    the slot it is handed;
+  - `declare(cfg, layer_index, stored)`: its parameters (`declarations.ParamDecl`), each with its logical axes and
+    the Hugging Face tensors that fill it (named relative to the decoder layer's `model.layers.{i}.`).
 A mixer may also define `__call__(x, positions, shared_kv, chunked=)`, the dense full-sequence forward. It is not
 part of the protocol: the runner and vLLM only call `paged`; the tests' dense reference (`Transformer.__call__`)
 calls it, and raises `NotImplementedError` for a kind without one.
 `register_mixer(cls)` declares the class's names as layer kinds (so configs accept them) and makes the model, the
-cache specs and the reference runner use it. Adding a kind is one module with one such class and one
-`register_mixer` call, plus its config keys and its checkpoint mapping; docs/architecture.md walks through one.
+cache specs, the shardings, the checkpoint mapping and the reference runner use it. Adding a kind is one module
+with one such class and one `register_mixer` call, plus its config keys; docs/architecture.md walks through one.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class Mixer(nnx.Module):
       def from_config(cls, cfg, layer_index: int, *, rngs: nnx.Rngs) -> Mixer
       @classmethod
       def cache_spec(cls, cfg, layer_index: int) -> AttentionSpec | RecurrentSpec
+      @classmethod
+      def declare(cls, cfg, layer_index: int, stored=()) -> list[ParamDecl]
       def paged(self, x [T, D], positions [T], cache, md, backend) -> (y [T, D], cache after the step)
 
   and, optionally, the dense forward the tests compare `paged` with:
@@ -72,7 +76,7 @@ class Mixer(nnx.Module):
 
 
 _MIXERS: dict[str, type[Mixer]] = {}
-PROTOCOL_METHODS = ("from_config", "cache_spec", "paged")
+PROTOCOL_METHODS = ("from_config", "cache_spec", "declare", "paged")
 
 
 def register_mixer(cls: type[Mixer]) -> type[Mixer]:

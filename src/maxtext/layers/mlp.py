@@ -7,7 +7,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtext.kernels.backend import KernelBackend
+from maxtext.layers.declarations import ParamDecl
 from maxtext.layers.linears import DenseGeneral, project
+from maxtext.layers.tensor_sources import linear, same, split_rows
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
@@ -49,6 +51,32 @@ class MLP(nnx.Module):
     self.gate = DenseGeneral(emb_dim, mlp_dim, **kw)
     self.up = DenseGeneral(emb_dim, mlp_dim, **kw)
     self.down = DenseGeneral(mlp_dim, emb_dim, **kw)
+
+  @classmethod
+  def declare(cls, emb_dim: int, mlp_dim: int, *, use_bias: bool = False) -> list[ParamDecl]:
+    """The parameters, filled from Hugging Face's `gate_proj`, `up_proj`, `down_proj` (Linear `[out, in]`)."""
+    decls = [
+        ParamDecl("gate.kernel", ("embed", "mlp"), linear("gate_proj.weight", mlp_dim, emb_dim)),
+        ParamDecl("up.kernel", ("embed", "mlp"), linear("up_proj.weight", mlp_dim, emb_dim)),
+        ParamDecl("down.kernel", ("mlp", "embed"), linear("down_proj.weight", emb_dim, mlp_dim)),
+    ]
+    if use_bias:
+      decls += [
+          ParamDecl("gate.bias", ("mlp",), same("gate_proj.bias", (mlp_dim,))),
+          ParamDecl("up.bias", ("mlp",), same("up_proj.bias", (mlp_dim,))),
+          ParamDecl("down.bias", ("embed",), same("down_proj.bias", (emb_dim,))),
+      ]
+    return decls
+
+  @classmethod
+  def declare_fused(cls, emb_dim: int, mlp_dim: int) -> list[ParamDecl]:
+    """The parameters as Granite 4.0 stores them: `input_linear` `[2 F, D]` (gate rows first), `output_linear`."""
+    gate_up = split_rows("input_linear.weight", (mlp_dim, mlp_dim), emb_dim)
+    return [
+        ParamDecl("gate.kernel", ("embed", "mlp"), gate_up, 0),
+        ParamDecl("up.kernel", ("embed", "mlp"), gate_up, 1),
+        ParamDecl("down.kernel", ("mlp", "embed"), linear("output_linear.weight", emb_dim, mlp_dim)),
+    ]
 
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
       self, x: jax.Array, backend: KernelBackend | None = None

@@ -6,15 +6,37 @@ The routed-expert computation itself is the kernel backend's `moe_experts` op.
 """
 
 import functools
+from collections.abc import Container
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
+import numpy as np
 from flax import nnx
 
 from maxtext.kernels.backend import EXPERT_METHODS, KernelBackend, default_backend
+from maxtext.layers.declarations import ParamDecl, nest
 from maxtext.layers.initializers import draw_key, fan_in_uniform, uniform
 from maxtext.layers.linears import DenseGeneral, project
 from maxtext.layers.mlp import MLP, clamped_swiglu, get_activation
+from maxtext.layers.tensor_sources import Reader, Shape, Source, cast, fused_down, fused_gate_up, linear, same, stacked
+
+# Logical axes of the stacked experts: [E, D, Fe] (gate, up) and [E, Fe, D] (down).
+_EXPERTS_IN = ("exp", "embed", "mlp")
+_EXPERTS_OUT = ("exp", "mlp", "embed")
+
+
+def interleaved_gate_up(tensor: str, shape: Shape) -> Source:
+  """gpt-oss's gate_up_proj `[..., 2*Fe]` (or its bias), gate at even and up at odd positions of the last axis ->
+  gate (part 0), up (part 1) `[..., Fe]`."""
+
+  def convert(read: Reader, dt: Any) -> tuple[np.ndarray, ...]:
+    w = read(0)
+    return cast(w[..., 0::2], dt), cast(w[..., 1::2], dt)
+
+  half = shape[:-1] + (shape[-1] // 2,)
+  return Source((tensor,), (shape,), (half, half), convert)
 
 
 def route(router_logits: jax.Array, *, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -106,6 +128,85 @@ class MoE(nnx.Module):
     else:
       self.shared = None
       self.shared_gate = None
+
+  @classmethod
+  def declare(
+      cls, cfg: ml_collections.FrozenConfigDict, layer_index: int, stored: Container[str] = ()
+  ) -> list[ParamDecl]:
+    """The parameters of layer `layer_index`'s MoE, filled from Hugging Face's `mlp.*` (names relative to it):
+    the router `gate`, the experts one by one (`experts.{e}.gate_proj.weight`, ...) or fused (transformers 5's
+    `experts.gate_up_proj` / `experts.down_proj`, when `stored` holds them), and the shared expert with its gate;
+    gpt-oss's biased experts in their own layout (`declare_gpt_oss`)."""
+    if cfg.use_moe_bias:
+      return cls.declare_gpt_oss(cfg, layer_index, stored)
+    d, e, fe, fs = cfg.base_emb_dim, cfg.num_experts, cfg.base_moe_mlp_dim, cfg.shared_expert_mlp_dim
+    decls = [ParamDecl("router.kernel", ("embed", None), linear("gate.weight", e, d))]
+    if "experts.gate_up_proj" in stored:
+      gate_up = fused_gate_up("experts.gate_up_proj", e, fe, d)
+      decls += [
+          ParamDecl("gate", _EXPERTS_IN, gate_up, 0),
+          ParamDecl("up", _EXPERTS_IN, gate_up, 1),
+          ParamDecl("down", _EXPERTS_OUT, fused_down("experts.down_proj", e, fe, d)),
+      ]
+    else:
+      experts = [f"experts.{j}." for j in range(e)]
+      decls += [
+          ParamDecl("gate", _EXPERTS_IN, stacked([x + "gate_proj.weight" for x in experts], fe, d)),
+          ParamDecl("up", _EXPERTS_IN, stacked([x + "up_proj.weight" for x in experts], fe, d)),
+          ParamDecl("down", _EXPERTS_OUT, stacked([x + "down_proj.weight" for x in experts], d, fe)),
+      ]
+    if fs > 0:
+      decls += nest(MLP.declare(d, fs), "shared.", "shared_expert.")
+      decls.append(ParamDecl("shared_gate.kernel", ("embed", None), linear("shared_expert_gate.weight", 1, d)))
+    return decls
+
+  @classmethod
+  def declare_gpt_oss(
+      cls, cfg: ml_collections.FrozenConfigDict, layer_index: int, stored: Container[str] = ()
+  ) -> list[ParamDecl]:
+    """gpt-oss's MoE from `mlp.*`: `router.weight` / `router.bias`, `experts.gate_up_proj` `[E, D, 2*Fe]` with gate
+    and up interleaved (and its bias `[E, 2*Fe]`), `experts.down_proj` `[E, Fe, D]` already `[in, out]`, its bias.
+
+    Raises:
+      NotImplementedError: the checkpoint stores the experts MXFP4-quantised.
+    """
+    if "experts.gate_up_proj_blocks" in stored:
+      raise NotImplementedError(
+          f"layer {layer_index}: MXFP4-quantised gpt-oss experts (experts.gate_up_proj_blocks / _scales) are not"
+          " supported; load a dequantised checkpoint (transformers save_pretrained of the bf16 model)"
+      )
+    d, e, fe = cfg.base_emb_dim, cfg.num_experts, cfg.base_moe_mlp_dim
+    gate_up = interleaved_gate_up("experts.gate_up_proj", (e, d, 2 * fe))
+    gate_up_bias = interleaved_gate_up("experts.gate_up_proj_bias", (e, 2 * fe))
+    return [
+        ParamDecl("router.kernel", ("embed", None), linear("router.weight", e, d)),
+        ParamDecl("router.bias", (None,), same("router.bias", (e,))),
+        ParamDecl("gate", _EXPERTS_IN, gate_up, 0),
+        ParamDecl("up", _EXPERTS_IN, gate_up, 1),
+        ParamDecl("gate_bias", ("exp", "mlp"), gate_up_bias, 0),
+        ParamDecl("up_bias", ("exp", "mlp"), gate_up_bias, 1),
+        ParamDecl("down", _EXPERTS_OUT, same("experts.down_proj", (e, fe, d))),
+        ParamDecl("down_bias", ("exp", "embed"), same("experts.down_proj_bias", (e, d))),
+    ]
+
+  @classmethod
+  def declare_granite(cls, cfg: ml_collections.FrozenConfigDict, stored: Container[str] = ()) -> list[ParamDecl]:
+    """Granite 4.0's MoE, names relative to the decoder layer: `block_sparse_moe.` experts (transformers 5's
+    `experts.gate_up_proj` / `experts.down_proj`, or the original fused `input_linear` / `output_linear`), the
+    router as `router.weight` or `router.layer.weight`, and the shared expert as the layer's `shared_mlp.`."""
+    m, d = "block_sparse_moe.", cfg.base_emb_dim
+    e, fe, fs = cfg.num_experts, cfg.base_moe_mlp_dim, cfg.shared_expert_mlp_dim
+    router = m + "router.layer.weight" if m + "router.layer.weight" in stored else m + "router.weight"
+    fused = m + "input_linear.weight" in stored
+    gate_up = fused_gate_up(m + "input_linear.weight" if fused else m + "experts.gate_up_proj", e, fe, d)
+    down = m + "output_linear.weight" if fused else m + "experts.down_proj"
+    return [
+        ParamDecl("router.kernel", ("embed", None), linear(router, e, d)),
+        ParamDecl("gate", _EXPERTS_IN, gate_up, 0),
+        ParamDecl("up", _EXPERTS_IN, gate_up, 1),
+        ParamDecl("down", _EXPERTS_OUT, fused_down(down, e, fe, d)),
+        *nest(MLP.declare_fused(d, fs), "shared.", "shared_mlp."),
+    ]
 
   def __call__(  # pylint: disable=arguments-differ  # nnx call hook
       self, x: jax.Array, backend: KernelBackend | None = None

@@ -4,7 +4,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtext.layers.declarations import ParamDecl
 from maxtext.layers.initializers import ShapeOnlyRngs, constant
+from maxtext.layers.tensor_sources import same
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, *, eps: float, zero_centered: bool) -> jax.Array:
@@ -62,6 +64,11 @@ class RMSNorm(nnx.Module):
     self.eps = float(eps)
     self.zero_centered = bool(zero_centered)
     self.scale = nnx.Param(constant(rngs, (num_features,), weight_dtype, 0.0 if zero_centered else 1.0))
+
+  @classmethod
+  def declare(cls, num_features: int, tensor: str, axis: str | None = "embed") -> list[ParamDecl]:
+    """`scale [N]` along logical `axis`, stored as Hugging Face's `tensor` (a norm's `.weight`)."""
+    return [ParamDecl("scale", (axis,), same(tensor, (num_features,)))]
 
   def __call__(self, x: jax.Array) -> jax.Array:  # pylint: disable=arguments-differ  # nnx call hook
     """Normalises `[..., N]` -> `[..., N]` (input dtype)."""

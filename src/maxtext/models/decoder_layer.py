@@ -1,5 +1,6 @@
 """One decoder layer of the hybrid stack: norm -> mixer (the layer kind's) -> norm -> MLP or MoE."""
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -7,12 +8,44 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from maxtext.configs import families
+from maxtext.configs.families.family import FFN_FEED_FORWARD, FFN_GRANITE, FFN_MLP
 from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.kernels.backend import KernelBackend, default_backend
+from maxtext.layers.declarations import ParamDecl, StoredTensors, nest
 from maxtext.layers.mixer import KV, Mixer, layer_mixer_class
 from maxtext.layers.mlp import MLP
 from maxtext.layers.moe import MoE
 from maxtext.layers.normalizations import RMSNorm
+
+
+def _mlp_or_moe(cfg: ml_collections.FrozenConfigDict, i: int, stored: StoredTensors) -> list[ParamDecl]:
+  """`mlp.`: the routed experts on the config's MoE layers, the dense MLP elsewhere."""
+  if cfg.moe_layers[i]:
+    return nest(MoE.declare(cfg, i, stored.under("mlp.")), "moe.", "mlp.")
+  return nest(MLP.declare(cfg.base_emb_dim, cfg.base_mlp_dim, use_bias=cfg.mlp_bias), "mlp.", "mlp.")
+
+
+def _feed_forward(cfg: ml_collections.FrozenConfigDict, i: int, stored: StoredTensors) -> list[ParamDecl]:
+  """`feed_forward.`: a dense MLP on every layer (Bamba)."""
+  del i, stored  # one layout
+  return nest(MLP.declare(cfg.base_emb_dim, cfg.base_mlp_dim, use_bias=cfg.mlp_bias), "mlp.", "feed_forward.")
+
+
+def _granite_shared_mlp(cfg: ml_collections.FrozenConfigDict, i: int, stored: StoredTensors) -> list[ParamDecl]:
+  """Granite 4.0: the fused `shared_mlp.`, beside the `block_sparse_moe.` experts on MoE layers."""
+  if cfg.moe_layers[i]:
+    return nest(MoE.declare_granite(cfg, stored), "moe.")
+  return nest(MLP.declare_fused(cfg.base_emb_dim, cfg.base_mlp_dim), "mlp.", "shared_mlp.")
+
+
+# The feed-forward layouts a family names in `TensorLayout.ffn`: (cfg, layer index, the layer's stored tensors) ->
+# the declarations of its MLP or MoE.
+FEED_FORWARD_LAYOUTS: dict[str, Callable[[ml_collections.FrozenConfigDict, int, StoredTensors], list[ParamDecl]]] = {
+    FFN_MLP: _mlp_or_moe,
+    FFN_FEED_FORWARD: _feed_forward,
+    FFN_GRANITE: _granite_shared_mlp,
+}
 
 
 class DecoderLayer(nnx.Module):
@@ -63,6 +96,26 @@ class DecoderLayer(nnx.Module):
     else:
       self.moe = None
       self.mlp = MLP(d, cfg.base_mlp_dim, activation=activation, use_bias=cfg.mlp_bias, **kw)
+
+  @classmethod
+  def declare(
+      cls, cfg: ml_collections.FrozenConfigDict, layer_index: int, stored: StoredTensors = StoredTensors()
+  ) -> list[ParamDecl]:
+    """The parameters of layer `layer_index`, Hugging Face names relative to its `model.layers.{i}.`: the norms
+    (the pre-MLP one as the family's layout names it), the mixer's (`Mixer.declare`) and the feed-forward's in the
+    family's layout (`FEED_FORWARD_LAYOUTS`)."""
+    d = cfg.base_emb_dim
+    layout = families.get_family(cfg.decoder_block).tensors
+    decls = nest(RMSNorm.declare(d, "input_layernorm.weight"), "input_norm.")
+    if cfg.use_sandwich_norm:
+      decls += nest(RMSNorm.declare(d, "post_attention_layernorm.weight"), "post_attn_norm.")
+      decls += nest(RMSNorm.declare(d, "pre_feedforward_layernorm.weight"), "pre_mlp_norm.")
+      decls += nest(RMSNorm.declare(d, "post_feedforward_layernorm.weight"), "post_mlp_norm.")
+    else:
+      decls += nest(RMSNorm.declare(d, layout.pre_mlp_norm + ".weight"), "pre_mlp_norm.")
+    mixer_class = layer_mixer_class(cfg, layer_index)
+    decls += nest(mixer_class.declare(cfg, layer_index, stored), mixer_class.param_name + ".")
+    return decls + FEED_FORWARD_LAYOUTS[layout.ffn](cfg, layer_index, stored)
 
   @property
   def mixer(self) -> Mixer:

@@ -2,9 +2,10 @@
 
 This package's mesh has the axes `data`, `model` and `expert`, sized by `ici_data_parallelism`,
 `ici_tensor_parallelism` and `ici_expert_parallelism`; a runner's mesh may lack some of them (tpu-inference's
-default mesh has only `data` and `model`), and a missing axis counts as size 1. Every parameter has logical axes
-given by its canonical name (`param_logical_axes`); `logical_axis_rules` (config key, a list of `[logical axis,
-mesh axis or null]` pairs) maps them onto mesh axes.
+default mesh has only `data` and `model`), and a missing axis counts as size 1. Every parameter has the logical axes
+its module declares beside it (`declare`, read by `declared_axes`); a parameter no module declares is an error
+naming it. `logical_axis_rules` (config key, a list of `[logical axis, mesh axis or null]` pairs) maps them onto
+mesh axes.
 Parameters are created directly sharded (`create_sharded_model`: the initialiser runs under `jax.jit` with the
 shardings as its outputs, so no device ever holds a whole parameter it does not own). KV caches take the
 runner's shardings (`cache_sharding`): attention `P(data, None, model)` on the packed head axis, Gated DeltaNet conv
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from maxtext.configs.derived import MESH_AXIS_KEYS
 from maxtext.configs.errors import ConfigError
 from maxtext.kv_cache.cache_spec import AttentionSpec, KVCacheSpec
+from maxtext.layers.declarations import Axes, axes_by_name
 from maxtext.models.params import assign_params, flat_param_shapes, get_flat_params
 from maxtext.models.transformer import Transformer, abstract_model
 
@@ -40,63 +41,27 @@ MESH_AXES = tuple(MESH_AXIS_KEYS)
 # heads up to the tensor-parallel size).
 REPLICATE_IF_INDIVISIBLE = frozenset({"kv_heads"})
 
-# Canonical name suffix -> logical axes, first match wins. `layers.{i}.` is stripped before matching.
-_PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"embedder\.embedding", ("vocab", "embed")),
-    (r"lm_head\.kernel", ("embed", "vocab")),
-    (r"attn\.(q|gate)\.kernel", ("embed", "heads", "head_dim")),
-    (r"attn\.(k|v)\.kernel", ("embed", "kv_heads", "head_dim")),
-    (r"attn\.o\.kernel", ("heads", "head_dim", "embed")),
-    (r"attn\.q\.bias", ("heads", "head_dim")),
-    (r"attn\.(k|v)\.bias", ("kv_heads", "head_dim")),
-    (r"attn\.o\.bias", ("embed",)),
-    (r"attn\.(q|k)_norm\.scale", ("head_dim",)),
-    (r"gdn\.qkv\.kernel", ("embed", "gdn_channels")),
-    (r"gdn\.z\.kernel", ("embed", "gdn_values")),
-    (r"gdn\.(a|b)\.kernel", ("embed", "gdn_heads")),
-    (r"gdn\.conv\.kernel", (None, "gdn_channels")),
-    (r"gdn\.(A_log|dt_bias)", ("gdn_heads",)),
-    (r"gdn\.norm\.scale", (None,)),
-    (r"gdn\.out\.kernel", ("gdn_values", "embed")),
-    # Mamba2 parameters stay replicated over the model axis (its grouped [x | B | C] channels have no per-shard
-    # layout here); only the hidden axis follows `embed`.
-    (r"mamba\.(z|xbc|dt)\.kernel", ("embed", None)),
-    (r"mamba\.(z|xbc|dt|conv)\.bias", (None,)),
-    (r"mamba\.conv\.kernel", (None, None)),
-    (r"mamba\.(A_log|D|dt_bias)", (None,)),
-    (r"mamba\.norm\.scale", (None,)),
-    (r"mamba\.out\.kernel", (None, "embed")),
-    (r"mamba\.out\.bias", ("embed",)),
-    (r"(mlp|moe\.shared)\.(gate|up)\.kernel", ("embed", "mlp")),
-    (r"(mlp|moe\.shared)\.down\.kernel", ("mlp", "embed")),
-    (r"mlp\.(gate|up)\.bias", ("mlp",)),
-    (r"mlp\.down\.bias", ("embed",)),
-    (r"attn\.sinks", ("heads",)),
-    (r"moe\.router\.kernel", ("embed", None)),
-    (r"moe\.router\.bias", (None,)),
-    (r"moe\.(gate|up)_bias", ("exp", "mlp")),
-    (r"moe\.down_bias", ("exp", "embed")),
-    (r"moe\.shared_gate\.kernel", ("embed", None)),
-    (r"moe\.(gate|up)", ("exp", "embed", "mlp")),
-    (r"moe\.down", ("exp", "mlp", "embed")),
-    (r"[\w.]*norm\.scale", ("embed",)),
-)
-_LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
+
+def declared_axes(cfg: ml_collections.FrozenConfigDict) -> dict[str, Axes]:
+  """`{canonical name: logical axes}` as the model's modules declare them (`Transformer.declare`)."""
+  return axes_by_name(Transformer.declare(cfg))
 
 
-def param_logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
-  """The logical axes of the parameter with this canonical name.
+def param_logical_axes(name: str, ndim: int, declared: Mapping[str, Axes]) -> Axes:
+  """The logical axes of the parameter with this canonical name, from the declarations.
 
   Raises:
-    ValueError: the name matches no rule, or its rule has another rank than the parameter.
+    ValueError: no module declares the parameter, or its declaration has another rank than the parameter.
   """
-  short = _LAYER_PREFIX.sub("", name)
-  for pattern, axes in _PARAM_AXES:
-    if re.fullmatch(pattern, short):
-      if len(axes) != ndim:
-        raise ValueError(f"parameter {name!r} has rank {ndim} but its logical axes are {axes}")
-      return axes
-  raise ValueError(f"parameter {name!r} has no logical axes (add a rule to maxtext.models.sharding._PARAM_AXES)")
+  axes = declared.get(name)
+  if axes is None:
+    raise ValueError(
+        f"parameter {name!r} has no declaration: the module that holds it must declare it with its logical axes"
+        " (its `declare`, see maxtext.layers.declarations)"
+    )
+  if len(axes) != ndim:
+    raise ValueError(f"parameter {name!r} has rank {ndim} but its declared logical axes are {axes}")
+  return axes
 
 
 def axis_rules(cfg: ml_collections.FrozenConfigDict) -> dict[str, tuple[str, ...]]:
@@ -165,9 +130,10 @@ def partition_spec(
 def param_shardings(cfg: ml_collections.FrozenConfigDict, mesh: Mesh) -> dict[str, NamedSharding]:
   """`{canonical name: NamedSharding}` of every parameter of the model of `cfg` (from shapes only)."""
   rules = axis_rules(cfg)
+  declared = declared_axes(cfg)
   out = {}
   for name, leaf in flat_param_shapes(cfg).items():
-    axes = param_logical_axes(name, len(leaf.shape))
+    axes = param_logical_axes(name, len(leaf.shape), declared)
     out[name] = NamedSharding(mesh, partition_spec(name, leaf.shape, axes, rules, mesh))
   return out
 

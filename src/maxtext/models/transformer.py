@@ -1,7 +1,7 @@
 """Hybrid decoder-only transformer built from `cfg.layer_types` (Llama, Qwen3, Gemma3, Qwen3-Next, Qwen3.5,
 Granite 4.0, Bamba)."""
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import jax
@@ -9,11 +9,14 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from maxtext.configs import families
 from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.kernels.backend import KernelBackend, default_backend
+from maxtext.layers.declarations import ParamDecl, StoredTensors, nest
 from maxtext.layers.embeddings import Embed, greedy_token_ids
 from maxtext.layers.initializers import ShapeOnlyRngs
 from maxtext.layers.linears import DenseGeneral
+from maxtext.layers.tensor_sources import linear
 from maxtext.layers.normalizations import RMSNorm
 from maxtext.layers.mixer import KV
 from maxtext.models.decoder_layer import DecoderLayer
@@ -50,6 +53,21 @@ class Transformer(nnx.Module):
     self.final_logits_soft_cap = float(cfg.final_logits_soft_cap)
     self.embedding_multiplier = float(cfg.embedding_multiplier)
     self.logits_scaling = float(cfg.logits_scaling)
+
+  @classmethod
+  def declare(cls, cfg: ml_collections.FrozenConfigDict, stored: Collection[str] = ()) -> list[ParamDecl]:
+    """Every parameter of the model of `cfg` under its canonical name, with its logical axes and the Hugging Face
+    tensors that fill it (the layouts that depend on which tensors a checkpoint holds read `stored`, its names)."""
+    d, v = cfg.base_emb_dim, cfg.vocab_size
+    stored = StoredTensors(stored)
+    decls = nest(Embed.declare(v, d, "model.embed_tokens.weight"), "embedder.")
+    for i in range(len(cfg.layer_types)):
+      hf = f"model.layers.{i}."
+      decls += nest(DecoderLayer.declare(cfg, i, stored.under(hf)), f"layers.{i}.", hf)
+    decls += nest(RMSNorm.declare(d, families.get_family(cfg.decoder_block).tensors.final_norm), "final_norm.")
+    if not cfg.logits_via_embedding:
+      decls.append(ParamDecl("lm_head.kernel", ("embed", "vocab"), linear("lm_head.weight", v, d)))
+    return decls
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """Token embeddings `[...]` -> `[..., D]` (Gemma3: scaled by sqrt(D) in the weight dtype; Granite: times

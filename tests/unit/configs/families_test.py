@@ -5,11 +5,13 @@ import dataclasses
 
 import pytest
 
-from maxtext.checkpoint import hf_config, hf_layout
+from maxtext.checkpoint import hf_config
 from maxtext.configs import ConfigError, available_models, families, load_config
 from maxtext.configs.derived import DECODER_BLOCKS
 from maxtext.configs.families import Family, HFMapping, TensorLayout, Traits
 from maxtext.configs.families.hf_fields import HFFields, cycle_interval, given_layer_types, json_float
+from maxtext.layers.mixer import get_mixer_class
+from maxtext.models.decoder_layer import FEED_FORWARD_LAYOUTS
 
 _ALL_TEXT_TYPES = [(f.name, t) for f in families.families() for t in f.hf.model_types]
 
@@ -104,10 +106,10 @@ def test_default_layer_pattern_is_the_family_cycle(family):
 
 
 @pytest.mark.parametrize("family", families.families(), ids=lambda f: f.name)
-def test_each_family_names_layouts_the_checkpoint_code_builds(family):
-  assert family.tensors.ffn in hf_layout.FFN_RECIPES
+def test_each_family_names_layouts_the_layers_declare(family):
+  assert family.tensors.ffn in FEED_FORWARD_LAYOUTS
   for kind in family.owned_kinds:
-    assert kind in hf_layout.MIXER_RECIPES
+    assert get_mixer_class(kind).layer_types
 
 
 def test_owned_kinds_name_their_families():
@@ -167,3 +169,16 @@ def test_hf_field_helpers():
   assert json_float({"__float__": "Infinity"}, "k") == float("inf")
   with pytest.raises(ValueError, match="k must hold numbers"):
     json_float("x", "k")
+
+
+def test_a_registered_family_joins_the_registry_and_a_claimed_name_is_refused():
+  before = list(DECODER_BLOCKS)
+  qwen3 = families.get_family("qwen3")
+  assert families.register_family(qwen3) is qwen3  # the same record again: nothing changes
+  with pytest.raises(ValueError, match="decoder_block 'qwen3' is registered twice"):
+    families.register_family(dataclasses.replace(qwen3))
+  with pytest.raises(ValueError, match="Hugging Face model_type 'qwen3' belongs to both 'qwen3' and 'qwen3_copy'"):
+    families.register_family(dataclasses.replace(qwen3, name="qwen3_copy"))
+  assert list(DECODER_BLOCKS) == before and len(DECODER_BLOCKS) == len(before)
+  assert "qwen3" in DECODER_BLOCKS and "qwen3_copy" not in DECODER_BLOCKS and DECODER_BLOCKS[0] == before[0]
+  assert repr(DECODER_BLOCKS) == repr(tuple(before))

@@ -14,6 +14,8 @@ from maxtext.layers.gated_delta_net import (
     delta_rule_chunked,
     delta_rule_recurrent,
     gdn_gates,
+    grouped_ba,
+    grouped_qkvz,
     l2_normalize,
 )
 
@@ -227,3 +229,26 @@ def test_validation(kwargs, match):
   args.update(kwargs)
   with pytest.raises(ValueError, match=match):
     GatedDeltaNet(**args, rngs=nnx.Rngs(0))
+
+
+def test_grouped_qkvz_and_ba_become_flat():
+  nk, nv, hk, hv, d = 2, 4, 3, 2, 5
+  r = nv // nk
+  rng = np.random.default_rng(1)
+  qkvz = rng.normal(size=(2 * nk * hk + 2 * nv * hv, d))
+  ba = rng.normal(size=(2 * nv, d))
+  qkv, z = grouped_qkvz("w", nk, nv, hk, hv, d).convert(lambda j: qkvz, np.float64)
+  b, a = grouped_ba("w", nk, nv, d).convert(lambda j: ba, np.float64)
+  group = 2 * hk + 2 * r * hv  # rows per key head g: [q_g | k_g | v_g (r*hv) | z_g (r*hv)]
+  for g in range(nk):
+    base = g * group
+    for i in range(hk):
+      np.testing.assert_array_equal(qkv[:, g * hk + i], qkvz[base + i])
+      np.testing.assert_array_equal(qkv[:, nk * hk + g * hk + i], qkvz[base + hk + i])
+    for j in range(r):
+      head = g * r + j  # value head index
+      for i in range(hv):
+        np.testing.assert_array_equal(qkv[:, 2 * nk * hk + head * hv + i], qkvz[base + 2 * hk + j * hv + i])
+        np.testing.assert_array_equal(z[:, head * hv + i], qkvz[base + 2 * hk + r * hv + j * hv + i])
+      np.testing.assert_array_equal(b[:, head], ba[g * 2 * r + j])
+      np.testing.assert_array_equal(a[:, head], ba[g * 2 * r + r + j])

@@ -29,6 +29,12 @@ class _RunnerOnly(mixer.Mixer):
     """One fp32 row of 4 per state slot."""
     return RecurrentSpec(cfg.layer_types[layer_index], ("sum",), ((4,),), ("float32",))
 
+  @classmethod
+  def declare(cls, cfg, layer_index, stored=()):
+    """No parameters."""
+    del cfg, layer_index, stored
+    return []
+
   def paged(self, x, positions, cache, md, backend):
     """The identity, the cache unchanged."""
     del positions, md, backend
@@ -54,6 +60,7 @@ def test_a_kind_without_the_runner_path_is_refused():
     param_name = "dense_only"
     from_config = _RunnerOnly.from_config
     cache_spec = _RunnerOnly.cache_spec
+    declare = _RunnerOnly.declare
 
     def __call__(self, x, positions, shared_kv=None, *, chunked=True):  # pylint: disable=arguments-differ
       return x, None

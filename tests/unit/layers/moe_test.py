@@ -154,3 +154,13 @@ def test_dense_and_gather_agree_in_bfloat16():
 def test_moe_validation(args, kwargs, match):
   with pytest.raises(ValueError, match=match):
     MoE(*args, rngs=nnx.Rngs(0), **kwargs)
+
+
+def test_gpt_oss_experts_are_deinterleaved():
+  w = np.arange(2 * 3 * 8, dtype=np.float64).reshape(2, 3, 8)  # [E, D, 2*Fe], gate at even columns
+  source = moe.interleaved_gate_up("experts.gate_up_proj", (2, 3, 8))
+  assert source.outputs == ((2, 3, 4), (2, 3, 4))
+  gate, up = source.convert(lambda j: w, np.float32)
+  np.testing.assert_array_equal(gate, w[..., 0::2])
+  np.testing.assert_array_equal(up, w[..., 1::2])
+  assert gate.flags.c_contiguous and gate.dtype == np.float32

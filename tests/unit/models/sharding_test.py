@@ -20,17 +20,21 @@ TINY = ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "kvshare-tiny", "qwen3-next-t
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TINY + ["llama3.1-8b", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "gemma3-4b"])
-def test_every_parameter_has_logical_axes_of_its_rank(name):
+def test_every_parameter_has_declared_logical_axes_of_its_rank(name):
   cfg = load_config(model_name=name)
-  for param, leaf in flat_param_shapes(cfg).items():
-    assert len(sharding.param_logical_axes(param, len(leaf.shape))) == len(leaf.shape)
+  declared = sharding.declared_axes(cfg)
+  shapes = flat_param_shapes(cfg)
+  assert set(declared) == set(shapes)
+  for param, leaf in shapes.items():
+    assert len(sharding.param_logical_axes(param, len(leaf.shape), declared)) == len(leaf.shape)
 
 
-def test_unknown_parameters_and_rank_mismatches_are_named():
-  with pytest.raises(ValueError, match=r"parameter 'layers.0.foo.kernel' has no logical axes"):
-    sharding.param_logical_axes("layers.0.foo.kernel", 2)
-  with pytest.raises(ValueError, match=r"parameter 'lm_head.kernel' has rank 3 but its logical axes are"):
-    sharding.param_logical_axes("lm_head.kernel", 3)
+def test_undeclared_parameters_and_rank_mismatches_are_named():
+  declared = sharding.declared_axes(load_config(model_name="llama-tiny"))
+  with pytest.raises(ValueError, match=r"parameter 'layers.0.foo.kernel' has no declaration"):
+    sharding.param_logical_axes("layers.0.foo.kernel", 2, declared)
+  with pytest.raises(ValueError, match=r"parameter 'lm_head.kernel' has rank 3 but its declared logical axes are"):
+    sharding.param_logical_axes("lm_head.kernel", 3, declared)
 
 
 def test_mesh_from_the_parallelism_keys():

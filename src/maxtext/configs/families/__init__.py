@@ -3,13 +3,14 @@
     family = get_family(cfg.decoder_block)          # traits, default layer pattern, checkpoint layout
     family = family_of_hf_model_type("qwen3_5_moe_text")
 
-A new family is a module here defining `FAMILY = Family(...)` (see `family.py`) and one entry in `_MODULES`;
-docs/architecture.md walks through one.
+A new family is a module here defining `FAMILY = Family(...)` (see `family.py`) and one entry in `_MODULES`; a
+module outside the package (a plugin, a test) registers its record with `register_family`. docs/architecture.md
+walks through one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from maxtext.configs.errors import ConfigError
 from maxtext.configs.families import bamba, gemma3, gpt_oss, granite_hybrid, llama2, qwen3, qwen3_5, qwen3_next
@@ -53,7 +54,47 @@ def build_registry(members: Sequence[Family]) -> dict[str, Family]:
 
 
 _FAMILIES = build_registry([module.FAMILY for module in _MODULES])
-DECODER_BLOCKS: tuple[str, ...] = tuple(_FAMILIES)
+
+
+class _DecoderBlocks(Sequence[str]):
+  """The registered decoder_block names in registration order, read when asked: a family registered after import
+  (`register_family`) is among them."""
+
+  def __getitem__(self, index):
+    return tuple(_FAMILIES)[index]
+
+  def __len__(self) -> int:
+    return len(_FAMILIES)
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(tuple(_FAMILIES))
+
+  def __contains__(self, name: object) -> bool:
+    return name in _FAMILIES
+
+  def __repr__(self) -> str:
+    return repr(tuple(_FAMILIES))
+
+
+DECODER_BLOCKS: Sequence[str] = _DecoderBlocks()
+
+
+def register_family(family: Family) -> Family:
+  """Adds a family defined outside this package to the registry, after the built-in ones (idempotent for the same
+  record). Its module calls it at import; importing that module before the config is loaded is all it takes.
+
+  Returns:
+    `family`.
+
+  Raises:
+    TypeError, ValueError: as `build_registry`, e.g. a name or Hugging Face model_type another family has.
+  """
+  if _FAMILIES.get(getattr(family, "name", None)) is family:
+    return family
+  registry = build_registry([*_FAMILIES.values(), family])
+  _FAMILIES.clear()
+  _FAMILIES.update(registry)
+  return family
 
 
 def get_family(decoder_block: str) -> Family:
@@ -126,4 +167,5 @@ __all__ = [
     "hf_multimodal_model_types",
     "hf_text_model_types",
     "kind_owners",
+    "register_family",
 ]

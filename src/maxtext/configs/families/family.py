@@ -3,8 +3,8 @@
 A family owns its default layer pattern, its trait flags (the `use_*` derived keys the layers read), its config
 rule, how a Hugging Face `config.json` of it maps to config keys (model types, the transformers defaults, the
 layer types and family keys), which GGUF architecture holds it, and the checkpoint tensor layout its blocks use
-(the layout names `checkpoint/hf_layout.py` builds recipes for). Each family is one module of this package,
-registered in `maxtext.configs.families`; nothing else branches on a family's name.
+(layout names; the layers that own the parameters declare what each one reads). Each family is one module of this
+package, registered in `maxtext.configs.families`; nothing else branches on a family's name.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ HFOverrides = Callable[[HFFields, list[str], int], dict[str, Any]]
 # require(key) is the value of metadata `{architecture}.{key}` (an error when absent), hf_config the fields mapped so far.
 GGUFConfig = Callable[[Callable[[str], Any], Mapping[str, Any]], dict[str, Any]]
 
-# The feed-forward layouts of `checkpoint/hf_layout.py` (see `TensorLayout.ffn`).
+# The feed-forward layouts `models/decoder_layer.py` declares (see `TensorLayout.ffn`).
 FFN_MLP = "mlp"  # `mlp.` dense MLP, or the routed experts on the config's MoE layers
 FFN_FEED_FORWARD = "feed_forward"  # `feed_forward.` dense MLP on every layer (Bamba)
 FFN_GRANITE = "granite_shared_mlp"  # `shared_mlp.` fused MLP beside `block_sparse_moe.` experts (Granite 4.0)
@@ -112,7 +112,7 @@ class GGUFMapping:
 
 @dataclasses.dataclass(frozen=True)
 class TensorLayout:
-  """The checkpoint tensor layout of the family's blocks, named for `checkpoint/hf_layout.py`.
+  """The checkpoint tensor layout of the family's blocks, named for the layers' parameter declarations.
 
   Attributes:
     pre_mlp_norm: the Hugging Face name of the norm before the MLP (after `model.layers.{i}.`).

@@ -76,8 +76,8 @@ def test_a_run_that_cannot_fit_in_memory_is_one_line_naming_the_figures(capsys, 
   monkeypatch.setenv("MAXTEXT_MEMORY_LIMIT_BYTES", "15000000")
   assert decode.main([BASE, "model_name=qwen3-next-tiny", "prompt=Hi", "max_new_tokens=2"]) == 2
   line = _error_line(capsys)
-  assert line.startswith("model_name=qwen3-next-tiny needs 19.8 MB (2.6 MB of float32 parameters"), line
-  assert "but 15.0 MB is available (MAXTEXT_MEMORY_LIMIT_BYTES); use KV caches within 12.4 MB" in line
+  assert line.startswith("model_name=qwen3-next-tiny needs 19.91 MiB (parameters 2.46 MiB: float32"), line
+  assert "but 14.31 MiB is available (MAXTEXT_MEMORY_LIMIT_BYTES); use a KV cache within the 10.81 MiB left" in line
 
 
 @pytest.mark.slow

@@ -150,8 +150,8 @@ def test_a_run_that_cannot_fit_is_refused_with_the_figures_and_what_to_change():
   assert str(raised.value) == (
       "model_name=qwen3-next-tiny needs 19.91 MiB (parameters 2.46 MiB: float32, random, no checkpoint; KV caches"
       " 16.42 MiB; activations 1.03 MiB) but 14.31 MiB is available (MAXTEXT_MEMORY_LIMIT_BYTES); use a KV cache"
-      " within the 10.81 MiB left (kv_cache_memory_bytes=11336896 or less, with a max_target_length it holds; fewer max_num_seqs for recurrent"
-      " states); memory_check=false runs it anyway"
+      " within the 10.81 MiB left (kv_cache_memory_bytes=11336896 or less, with a max_target_length it holds; fewer"
+      " max_num_seqs for recurrent states); memory_check=false runs it anyway"
   )
   assert 15000000 - 2581760 - 1081344 == 11336896
   assert isinstance(raised.value, ConfigError)  # the CLI's one-line error, exit 2

@@ -104,13 +104,23 @@ def backend_name(cfg: ml_collections.FrozenConfigDict) -> str:
   return kernel_backends.device_default_name(None) if devices == 1 else kernel_backends.REFERENCE
 
 
-def kept_param_bytes(cfg: ml_collections.FrozenConfigDict) -> int:
-  """Bytes of the parameters once the kernel backend of `cfg` has laid them out (`prepare_params` on the abstract
-  model: shapes only)."""
-  model = abstract_model(cfg)
-  kernel_backends.get_backend(backend_name(cfg), None, cfg).prepare_params(model)
+def _state_bytes(model: nnx.Module) -> int:
   leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
   return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
+
+
+def param_figures(cfg: ml_collections.FrozenConfigDict) -> tuple[int, int]:
+  """(bytes of the parameters in `weight_dtype`, bytes once the kernel backend of `cfg` has laid them out), from one
+  abstract model (`prepare_params` on it: shapes only)."""
+  model = abstract_model(cfg)
+  loaded = _state_bytes(model)
+  kernel_backends.get_backend(backend_name(cfg), None, cfg).prepare_params(model)
+  return loaded, _state_bytes(model)
+
+
+def kept_param_bytes(cfg: ml_collections.FrozenConfigDict) -> int:
+  """Bytes of the parameters once the kernel backend of `cfg` has laid them out."""
+  return param_figures(cfg)[1]
 
 
 def cache_bytes(cfg: ml_collections.FrozenConfigDict) -> int:
@@ -139,7 +149,7 @@ def activation_bytes(cfg: ml_collections.FrozenConfigDict) -> int:
 
 def memory_need(cfg: ml_collections.FrozenConfigDict) -> MemoryNeed:
   """The parameter (loaded and kept), cache and activation bytes of `cfg`."""
-  return MemoryNeed(param_bytes(cfg), kept_param_bytes(cfg), cache_bytes(cfg), activation_bytes(cfg))
+  return MemoryNeed(*param_figures(cfg), cache_bytes(cfg), activation_bytes(cfg))
 
 
 def _weights(cfg: ml_collections.FrozenConfigDict) -> str:
@@ -257,7 +267,7 @@ def _what_to_change(cfg: ml_collections.FrozenConfigDict, need: MemoryNeed, avai
       values = config_to_dict(cfg)
       values.update(weight_dtype="bfloat16")
       compact = ml_collections.FrozenConfigDict(values)
-      bf16 = max(param_bytes(compact), kept_param_bytes(compact))
+      bf16 = max(param_figures(compact))
       advice.append(f"weight_dtype=bfloat16 (parameters {format_bytes(bf16)})")
     advice.append("a smaller model")
   room = available - fixed

@@ -63,6 +63,28 @@ def test_gguf_model_path_that_is_a_folder_says_it_is_not_a_gguf_file(capsys, tmp
   assert line.endswith("it holds model.Q4_1.gguf") and "does not exist" not in line
 
 
+def test_a_hugging_face_folder_given_as_gguf_model_path_points_at_hf_model_path(capsys, tmp_path):
+  (tmp_path / "config.json").write_text("{}", encoding="utf-8")
+  assert decode.main([BASE, f"gguf_model_path={tmp_path}", "prompt=Hi"]) == 2
+  assert _error_line(capsys) == (
+      f"gguf_model_path='{tmp_path}' is a folder, not a GGUF file; give the path of the .gguf file itself; it holds"
+      " no .gguf file but a config.json: a Hugging Face folder is given as hf_model_path"
+  )
+
+
+def test_a_gguf_file_given_as_hf_model_path_points_at_gguf_model_path(capsys, tmp_path):
+  path = tmp_path / "model.Q4_1.gguf"
+  path.write_bytes(b"GGUF")
+  assert decode.main([BASE, f"hf_model_path={path}", "prompt=Hi"]) == 2
+  line = _error_line(capsys)
+  assert line.startswith(f"hf_model_path='{path}' is a file, not a folder;"), line
+  assert line.endswith("; a GGUF file is given as gguf_model_path"), line
+  other = tmp_path / "model.bin"
+  other.write_bytes(b"\x00")
+  assert decode.main([BASE, f"hf_model_path={other}", "prompt=Hi"]) == 2
+  assert "gguf_model_path" not in _error_line(capsys)  # only a .gguf file is pointed elsewhere
+
+
 def test_a_model_source_set_by_the_model_config_is_named_as_such(capsys, tmp_path):
   assert decode.main([BASE, "model_name=smollm2-135m-instruct", f"hf_model_path={tmp_path}", "prompt=Hi"]) == 2
   line = _error_line(capsys)
@@ -76,8 +98,8 @@ def test_a_run_that_cannot_fit_in_memory_is_one_line_naming_the_figures(capsys, 
   monkeypatch.setenv("MAXTEXT_MEMORY_LIMIT_BYTES", "15000000")
   assert decode.main([BASE, "model_name=qwen3-next-tiny", "prompt=Hi", "max_new_tokens=2"]) == 2
   line = _error_line(capsys)
-  assert line.startswith("model_name=qwen3-next-tiny needs 19.8 MB (2.6 MB of float32 parameters"), line
-  assert "but 15.0 MB is available (MAXTEXT_MEMORY_LIMIT_BYTES); use KV caches within 12.4 MB" in line
+  assert line.startswith("model_name=qwen3-next-tiny needs 19.91 MiB (parameters 2.46 MiB: float32"), line
+  assert "but 14.31 MiB is available (MAXTEXT_MEMORY_LIMIT_BYTES); use a KV cache within the 10.81 MiB left" in line
 
 
 @pytest.mark.slow

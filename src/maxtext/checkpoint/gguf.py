@@ -131,6 +131,8 @@ class GGUFFile:
     if os.path.isdir(self.path):
       found = sorted(name for name in os.listdir(self.path) if name.endswith(".gguf"))
       hint = f"; it holds {', '.join(found[:3])}" if found else "; it holds no .gguf file"
+      if os.path.isfile(os.path.join(self.path, "config.json")):
+        hint += " but a config.json: a Hugging Face folder is given as hf_model_path"
       raise GGUFError(
           f"gguf_model_path={self.path!r} is a folder, not a GGUF file; give the path of the .gguf file itself{hint}"
       )

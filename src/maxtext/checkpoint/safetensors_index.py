@@ -67,6 +67,7 @@ def _list_files(folder: str) -> list[str]:
     raise ValueError(
         f"hf_model_path={folder!r} is a file, not a folder; give the Hugging Face folder holding config.json,"
         " *.safetensors and tokenizer.json"
+        + ("; a GGUF file is given as gguf_model_path" if folder.lower().endswith(".gguf") else "")
     )
   if not os.path.isdir(folder):
     raise FileNotFoundError(f"Hugging Face model folder {folder!r} does not exist")

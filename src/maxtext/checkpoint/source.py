@@ -128,9 +128,10 @@ class HFFolder(CheckpointSource):
   def _require_folder(self) -> None:
     """Raises ConfigError when the path names a file (a folder that does not exist is the reader's error)."""
     if os.path.exists(self.path) and not os.path.isdir(self.path):
+      hint = "; a GGUF file is given as gguf_model_path" if self.path.lower().endswith(".gguf") else ""
       raise ConfigError(
           f"hf_model_path={self.path!r} is a file, not a folder; give the Hugging Face folder holding config.json,"
-          " *.safetensors and tokenizer.json"
+          f" *.safetensors and tokenizer.json{hint}"
       )
 
   def model_keys(self) -> dict[str, Any]:

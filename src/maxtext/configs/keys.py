@@ -328,6 +328,12 @@ _DECLARED = (
         RUNNER,
         "kernel_backend=cpu: fp32 dense kernels stored in 32-column panels (faster decode reads)",
     ),
+    _key(
+        "memory_check",
+        bool,
+        RUNNER,
+        "refuse a CPU run whose parameters, caches and activations exceed the memory available",
+    ),
     _key("weight_cache", bool, RUNNER, "keep a checkpoint's prepared weights on disk; a later start reads them"),
     _key(
         "weight_cache_max_bytes",

@@ -194,8 +194,8 @@ class LLMEngine:
   Raises:
     ValueError: the mesh asks for more devices than JAX has.
     ConfigError: `compilation_cache_dir` is not a folder that can be created and written.
-    InsufficientMemoryError: on CPU, the parameters and caches need more memory than the process may use
-      (`memory_budget.check_fits`; nothing is allocated).
+    InsufficientMemoryError: on CPU, the parameters, caches and activations need more memory than the process
+      may use (`memory_budget.check_fits`, unless `memory_check` is false; nothing is allocated).
   """
 
   def __init__(self, cfg: ml_collections.FrozenConfigDict, *, eos_token_id: int | None = None):

@@ -1,31 +1,44 @@
 """The memory a run needs, from its config alone, against the memory the process may use.
 
-Before anything is allocated, the engine adds the bytes of the parameters (the abstract model's shapes in
-`weight_dtype`: the form they are loaded in; `quantization=int8w` panels are smaller once laid out) and of the KV
-caches (the layout `dry_run=true` prints), and compares the sum with the memory available: the environment variable
-`MAXTEXT_MEMORY_LIMIT_BYTES` when set, else the smaller of what the cgroup may still use (`memory.max` less
-`memory.current`; cgroup v1's `memory.limit_in_bytes` less `memory.usage_in_bytes`) and the kernel's
-`MemAvailable`. A run that cannot fit is refused with one line naming the figures and what to change, instead of
-being killed by the kernel without a word. The step's activations and the runtime's own memory (JAX, XLA and the
-compiled programs: about 0.35-0.45 GB for the tiny models) are not counted: a run that passes can still be short
-of memory when the margin is thin.
+Before anything is allocated, the engine adds four figures, all from abstract shapes (nothing is built):
+
+  - the parameters as loaded (the abstract model's shapes in `weight_dtype`) and as kept once the kernel backend has
+    laid them out (`prepare_params` on the abstract model: `quantization=int8w`'s int8 panels, a tied head's int8 or
+    int4 copy); a load holds the first form whole before it is laid out, so the larger of the two counts;
+  - the KV caches and recurrent states (the layout `dry_run=true` prints);
+  - the activations of the largest step: `max_num_batched_tokens` (padded) rows of the residual stream, the attention
+    projections and the widest MLP, and the logits of every request row (`activation_bytes`);
+
+and compares the sum with the memory available: the environment variable `MAXTEXT_MEMORY_LIMIT_BYTES` when set, else
+the smallest of what the cgroup may still use (`memory.max` less `memory.current`; cgroup v1's
+`memory.limit_in_bytes` less `memory.usage_in_bytes`), what `RLIMIT_AS` leaves beside the process's address space
+(`VmSize`) and the kernel's `MemAvailable`. A run that cannot fit is refused with one line naming the figures and
+what to change, instead of being killed by the kernel without a word; `memory_check=false` runs it anyway. The
+runtime's own memory (JAX, XLA and the compiled programs: about 0.35-0.45 GB for the tiny models) is not counted: a
+run that passes can still be short of memory when the margin is thin.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
+import resource
 from collections.abc import Mapping
 
+import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 
 from maxtext.checkpoint import source
-from maxtext.configs import ConfigError
-from maxtext.inference.kv_cache_manager import KVCacheManager
+from maxtext.configs import ConfigError, config_to_dict
+from maxtext.inference.batch import next_power_of_two
+from maxtext.inference.kv_cache_manager import KVCacheManager, max_num_reqs
+from maxtext.kernels import backend as kernel_backends
 from maxtext.kv_cache import kv_cache_spec
-from maxtext.models import flat_param_shapes
+from maxtext.models import abstract_model, flat_param_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +51,15 @@ _CGROUP_FILES = (
     ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
 )
 _MEMINFO = "/proc/meminfo"
+_PROC_STATUS = "/proc/self/status"
 _NO_LIMIT = 1 << 60  # cgroup v1 reports "no limit" as a number near 2**63
+_LOGITS_ITEMSIZE = 4  # the logits and their log-softmax are float32 whatever `dtype` is
+_GIB = 1 << 30
+_MIB = 1 << 20
 
 
 class InsufficientMemoryError(ConfigError):
-  """The run's parameters and caches need more memory than the process may use."""
+  """The run's parameters, caches and activations need more memory than the process may use."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,22 +67,60 @@ class MemoryNeed:
   """What a run's config asks for, in bytes.
 
   Attributes:
-    param_bytes: the parameters in `weight_dtype`.
+    load_param_bytes: the parameters in `weight_dtype`, the form a load or a random initialisation holds.
+    kept_param_bytes: the parameters once the kernel backend has laid them out (what the run keeps).
     cache_bytes: the KV caches and recurrent states.
+    activation_bytes: the largest step's activations (`activation_bytes`).
   """
 
-  param_bytes: int
+  load_param_bytes: int
+  kept_param_bytes: int
   cache_bytes: int
+  activation_bytes: int
+
+  @property
+  def param_bytes(self) -> int:
+    """The parameters' peak: the larger of the loaded and the kept form."""
+    return max(self.load_param_bytes, self.kept_param_bytes)
 
   @property
   def total_bytes(self) -> int:
-    """The parameters and the caches together."""
-    return self.param_bytes + self.cache_bytes
+    """The parameters' peak, the caches and the activations together."""
+    return self.param_bytes + self.cache_bytes + self.activation_bytes
 
 
 def param_bytes(cfg: ml_collections.FrozenConfigDict) -> int:
-  """Bytes of every parameter of the model of `cfg`, from the abstract model (nothing is allocated)."""
+  """Bytes of every parameter of the model of `cfg` in `weight_dtype`, from the abstract model (nothing is
+  allocated)."""
   return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in flat_param_shapes(cfg).values())
+
+
+def backend_name(cfg: ml_collections.FrozenConfigDict) -> str:
+  """The kernel backend a run of `cfg` uses: `kernel_backend`, else the device's default for the mesh of the
+  `ici_*_parallelism` keys (`device_default_name`)."""
+  if cfg.kernel_backend:
+    return cfg.kernel_backend
+  devices = int(cfg.ici_data_parallelism) * int(cfg.ici_tensor_parallelism) * int(cfg.ici_expert_parallelism)
+  return kernel_backends.device_default_name(None) if devices == 1 else kernel_backends.REFERENCE
+
+
+def _state_bytes(model: nnx.Module) -> int:
+  leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
+  return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
+
+
+def param_figures(cfg: ml_collections.FrozenConfigDict) -> tuple[int, int]:
+  """(bytes of the parameters in `weight_dtype`, bytes once the kernel backend of `cfg` has laid them out), from one
+  abstract model (`prepare_params` on it: shapes only)."""
+  model = abstract_model(cfg)
+  loaded = _state_bytes(model)
+  kernel_backends.get_backend(backend_name(cfg), None, cfg).prepare_params(model)
+  return loaded, _state_bytes(model)
+
+
+def kept_param_bytes(cfg: ml_collections.FrozenConfigDict) -> int:
+  """Bytes of the parameters once the kernel backend of `cfg` has laid them out."""
+  return param_figures(cfg)[1]
 
 
 def cache_bytes(cfg: ml_collections.FrozenConfigDict) -> int:
@@ -74,20 +129,45 @@ def cache_bytes(cfg: ml_collections.FrozenConfigDict) -> int:
   return sum(entry.nbytes for entry in manager.describe_slots())
 
 
+def activation_bytes(cfg: ml_collections.FrozenConfigDict) -> int:
+  """A bound on the activations of the largest step, in `dtype` (the logits in float32).
+
+  A step of `T` tokens (`max_num_batched_tokens` padded to its power-of-two bucket) holds one layer's activations at
+  a time: four `[T, emb]` arrays (the residual stream, its norm, the mixer's and the MLP's outputs), the attention
+  projections `[T, (2 query heads + 2 KV heads) x head_dim]` (queries, attention output, keys, values), and three
+  `[T, width]` arrays of the widest MLP (gate, up and their product; a MoE layer's width is
+  `num_experts_per_tok x base_moe_mlp_dim`); then the logits of every request row (`max(max_num_seqs, 8)`) and
+  their log-softmax, `[rows, vocab]` each.
+  """
+  tokens = next_power_of_two(int(cfg.max_num_batched_tokens))
+  mlp = max(int(cfg.base_mlp_dim), int(cfg.num_experts_per_tok) * int(cfg.base_moe_mlp_dim) if cfg.num_experts else 0)
+  heads = 2 * int(cfg.base_num_query_heads) + 2 * int(cfg.base_num_kv_heads)
+  per_token = 4 * int(cfg.base_emb_dim) + heads * int(cfg.head_dim) + 3 * mlp
+  logits = 2 * max_num_reqs(cfg) * int(cfg.vocab_size) * _LOGITS_ITEMSIZE
+  return tokens * per_token * np.dtype(cfg.dtype).itemsize + logits
+
+
 def memory_need(cfg: ml_collections.FrozenConfigDict) -> MemoryNeed:
-  """The parameter and cache bytes of `cfg`."""
-  return MemoryNeed(param_bytes(cfg), cache_bytes(cfg))
+  """The parameter (loaded and kept), cache and activation bytes of `cfg`."""
+  return MemoryNeed(*param_figures(cfg), cache_bytes(cfg), activation_bytes(cfg))
 
 
 def _weights(cfg: ml_collections.FrozenConfigDict) -> str:
   return "from the checkpoint" if source.names_checkpoint(cfg) else "random, no checkpoint"
 
 
+def _kept_form(cfg: ml_collections.FrozenConfigDict) -> str:
+  form = f"kernel_backend={backend_name(cfg)}"
+  return f"{form}, quantization={cfg.quantization}" if cfg.quantization else form
+
+
 def format_need(cfg: ml_collections.FrozenConfigDict, need: MemoryNeed) -> str:
-  """One line for `dry_run=true`: the parameters' bytes and, with the caches, the run's."""
+  """One line for `dry_run=true`: the parameters' bytes as loaded and as kept, the activations', and with the
+  caches the run's."""
   return (
-      f"parameters: {need.param_bytes} bytes ({cfg.weight_dtype} weights, {_weights(cfg)});"
-      f" with the KV caches: {need.total_bytes} bytes"
+      f"parameters: {need.load_param_bytes} bytes ({cfg.weight_dtype} weights, {_weights(cfg)}), kept as"
+      f" {need.kept_param_bytes} bytes ({_kept_form(cfg)}); activations: {need.activation_bytes} bytes; in all, with the"
+      f" KV caches: {need.total_bytes} bytes"
   )
 
 
@@ -97,6 +177,38 @@ def _read(path: str) -> str | None:
       return f.read()
   except (OSError, UnicodeDecodeError):
     return None
+
+
+def cgroup_room(limit_text: str | None, usage_text: str | None) -> int | None:
+  """What a cgroup may still use: its limit (`memory.max`, v1's `memory.limit_in_bytes`) less its use
+  (`memory.current`, `memory.usage_in_bytes`; 0 when unreadable), or None without a limit ("max", v1's number near
+  2**63, an unreadable file)."""
+  limit, usage = (limit_text or "").strip(), (usage_text or "").strip()
+  if not limit.isdigit() or int(limit) >= _NO_LIMIT:
+    return None
+  return max(0, int(limit) - (int(usage) if usage.isdigit() else 0))
+
+
+def meminfo_available(meminfo_text: str | None) -> int | None:
+  """`MemAvailable` of a /proc/meminfo text in bytes, or None when it has none."""
+  for line in (meminfo_text or "").splitlines():
+    fields = line.split()
+    if len(fields) >= 2 and fields[0] == "MemAvailable:" and fields[1].isdigit():
+      return int(fields[1]) * 1024
+  return None
+
+
+def address_space_room(limit: int, status_text: str | None) -> int | None:
+  """What an `RLIMIT_AS` soft limit of `limit` bytes leaves beside the address space the process has (`VmSize` of a
+  /proc/self/status text, 0 when it has none), or None when `limit` is `RLIM_INFINITY`."""
+  if limit == resource.RLIM_INFINITY or limit < 0:
+    return None
+  size = 0
+  for line in (status_text or "").splitlines():
+    fields = line.split()
+    if len(fields) >= 2 and fields[0] == "VmSize:" and fields[1].isdigit():
+      size = int(fields[1]) * 1024
+  return max(0, limit - size)
 
 
 def available_memory(environ: Mapping[str, str] | None = None) -> tuple[int, str] | None:
@@ -116,70 +228,89 @@ def available_memory(environ: Mapping[str, str] | None = None) -> tuple[int, str
     return int(text), LIMIT_ENV
   found: list[tuple[int, str]] = []
   for limit_path, usage_path in _CGROUP_FILES:
-    limit, usage = (_read(limit_path) or "").strip(), (_read(usage_path) or "").strip()
-    if limit.isdigit() and int(limit) < _NO_LIMIT:
-      used = int(usage) if usage.isdigit() else 0
-      found.append((max(0, int(limit) - used), f"the cgroup limit {limit_path} less {used} bytes in use"))
+    room = cgroup_room(_read(limit_path), _read(usage_path))
+    if room is not None:
+      found.append((room, f"the cgroup limit {limit_path} less its use"))
       break
-  for line in (_read(_MEMINFO) or "").splitlines():
-    if line.startswith("MemAvailable:"):
-      kib = line.split()[1]
-      if kib.isdigit():
-        found.append((int(kib) * 1024, f"MemAvailable in {_MEMINFO}"))
+  room = address_space_room(resource.getrlimit(resource.RLIMIT_AS)[0], _read(_PROC_STATUS))
+  if room is not None:
+    found.append((room, "RLIMIT_AS less the process's VmSize"))
+  available = meminfo_available(_read(_MEMINFO))
+  if available is not None:
+    found.append((available, f"MemAvailable in {_MEMINFO}"))
   return min(found) if found else None
 
 
-def _gb(n: int) -> str:
-  return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+def format_bytes(n: int) -> str:
+  """`n` bytes in GiB (MiB below 1 GiB), two decimals."""
+  return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / _MIB:.2f} MiB"
+
+
+def _run_name(cfg: ml_collections.FrozenConfigDict) -> str:
+  """How the message names the run: its `model_name`, else the checkpoint key that names the model."""
+  if cfg.model_name != "default":
+    return f"model_name={cfg.model_name}"
+  for key in source.SOURCE_KEYS:
+    if cfg[key]:
+      return f"{key}={cfg[key]}"
+  return "model_name=default"
 
 
 def _what_to_change(cfg: ml_collections.FrozenConfigDict, need: MemoryNeed, available: int) -> str:
-  """The changes that would bring the run within `available` bytes: the parameters' when they are the larger part
-  or fill the memory alone, the caches' when shrinking them could close the gap."""
+  """The changes that would bring the run within `available` bytes: the parameters' (bfloat16 for float32 weights, a
+  smaller model) when they are the larger part or fill the memory alone, a KV cache sized to the room the rest
+  leaves when shrinking the caches could close the gap."""
   advice = []
-  if need.param_bytes >= need.cache_bytes or need.param_bytes >= available:
+  fixed = need.param_bytes + need.activation_bytes
+  if need.param_bytes >= need.cache_bytes or fixed >= available:
     if cfg.weight_dtype == "float32":
-      advice.append(f"weight_dtype=bfloat16 (parameters {_gb(need.param_bytes // 2)})")
+      values = config_to_dict(cfg)
+      values.update(weight_dtype="bfloat16")
+      compact = ml_collections.FrozenConfigDict(values)
+      bf16 = max(param_figures(compact))
+      advice.append(f"weight_dtype=bfloat16 (parameters {format_bytes(bf16)})")
     advice.append("a smaller model")
-  room = available - need.param_bytes
+  room = available - fixed
   if room > 0 and need.cache_bytes > room // 2:
     advice.append(
-        f"KV caches within {_gb(room)}: a smaller kv_cache_memory_bytes, num_kv_blocks, max_target_length or"
-        " max_num_seqs"
+        f"a KV cache within the {format_bytes(room)} left (kv_cache_memory_bytes={room} or less, with a"
+        " max_target_length it holds; fewer max_num_seqs for recurrent states)"
     )
-  return " or ".join(advice)
+  return ", ".join(advice[:-1]) + " or " + advice[-1] if len(advice) > 1 else advice[0]
 
 
 def check_fits(cfg: ml_collections.FrozenConfigDict, environ: Mapping[str, str] | None = None) -> MemoryNeed:
-  """Refuses a run whose parameters and caches cannot fit in the available memory; warns before random weights
-  of more than `RANDOM_WEIGHTS_WARNING_BYTES` when no checkpoint is configured.
+  """Refuses a run whose parameters, caches and activations cannot fit in the available memory (unless
+  `memory_check` is false); warns before random weights of more than `RANDOM_WEIGHTS_WARNING_BYTES` when no
+  checkpoint is configured.
 
   Args:
-    cfg: the run's config (model keys and cache keys).
+    cfg: the run's config (model keys, cache keys, and `memory_check` when it carries the run options).
     environ: as for `available_memory`.
 
   Returns:
     The run's `MemoryNeed`.
 
   Raises:
-    InsufficientMemoryError: the parameters and caches need more than the available memory (the message names
-      both parts, the available figure and its source, and what to change).
+    InsufficientMemoryError: the run needs more than the available memory (the message names each part, the
+      available figure and its source, and what to change).
     ConfigError: `MAXTEXT_MEMORY_LIMIT_BYTES` is malformed.
   """
   need = memory_need(cfg)
-  available = available_memory(environ)
+  available = available_memory(environ) if cfg.get("memory_check", True) else None
   if available is not None and need.total_bytes > available[0]:
     raise InsufficientMemoryError(
-        f"model_name={cfg.model_name} needs {_gb(need.total_bytes)} ({_gb(need.param_bytes)} of {cfg.weight_dtype}"
-        f" parameters, {_weights(cfg)}, + {_gb(need.cache_bytes)} of KV caches) but {_gb(available[0])} is"
-        f" available ({available[1]}); use {_what_to_change(cfg, need, available[0])}"
+        f"{_run_name(cfg)} needs {format_bytes(need.total_bytes)} (parameters {format_bytes(need.param_bytes)}:"
+        f" {cfg.weight_dtype}, {_weights(cfg)}; KV caches {format_bytes(need.cache_bytes)}; activations"
+        f" {format_bytes(need.activation_bytes)}) but {format_bytes(available[0])} is available ({available[1]});"
+        f" use {_what_to_change(cfg, need, available[0])}; memory_check=false runs it anyway"
     )
   if not source.names_checkpoint(cfg) and need.param_bytes > RANDOM_WEIGHTS_WARNING_BYTES:
     logger.warning(
-        "model_name=%s names no checkpoint: building %s of random %s weights (give hf_model_path,"
-        " gguf_model_path or load_parameters_path for real ones)",
-        cfg.model_name,
-        _gb(need.param_bytes),
+        "%s names no checkpoint: building %s of random %s weights (give hf_model_path, gguf_model_path or"
+        " load_parameters_path for real ones)",
+        _run_name(cfg),
+        format_bytes(need.param_bytes),
         cfg.weight_dtype,
     )
   return need

@@ -47,7 +47,7 @@ def run(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[li
   """The first prompt alone, then the rest together; returns the tokens and the counters of this run."""
   engine = llm.engine
   before = dict(engine.stats.as_dict())
-  params = SamplingParams(max_tokens=max_tokens)
+  params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
   start = time.perf_counter()
   outs = llm.generate(list(prompts[:1]), params) + llm.generate(list(prompts[1:]), params)
   wall = time.perf_counter() - start

@@ -101,7 +101,7 @@ def test_json_and_text_output_match_the_in_process_llm_and_the_dense_greedy_forw
   _check_length(request, 6)
 
   llm = LLM(str(ROOT / "configs" / "base.yml"), argv=args[1:])
-  (expected,) = llm.generate("I love to", SamplingParams(max_tokens=6, logprobs=2))
+  (expected,) = llm.generate("I love to", SamplingParams(temperature=0.0, max_tokens=6, logprobs=2))
   assert request["output_token_ids"] == list(expected.outputs[0].token_ids)
   assert request["output_token_ids"] == _dense_greedy(
       param_checks.canonical_model(llm.engine), request["prompt_token_ids"], 6

@@ -153,7 +153,7 @@ def generate_streaming(
 ) -> list[RequestOutput]:
   """Generates one completion, writing its text to stdout token by token (no progress bar)."""
   streamer = TextStreamer(llm.tokenizer.decode, sys.stdout)
-  outputs = llm.generate([prompt], params, on_token=streamer.on_token, cancel=cancel)
+  outputs = llm.generate([prompt], params, use_tqdm=False, on_token=streamer.on_token, cancel=cancel)
   streamer.finish()
   return outputs
 

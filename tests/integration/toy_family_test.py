@@ -105,7 +105,7 @@ differ = [k for k in ("decoder_block", "layer_types", "base_emb_dim", "head_dim"
                       "logits_via_embedding", "rope_max_timescale") if cfg[k] != from_yaml[k]]
 logits = np.asarray(model(jnp.asarray([prompt], jnp.int32)))
 llm = LLM(yaml, hf_model_path=folder, **run)
-tokens = llm.generate([prompt], SamplingParams(max_tokens=int(sys.argv[6])))[0].outputs[0].token_ids
+tokens = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=int(sys.argv[6])))[0].outputs[0].token_ids
 np.savez(out, logits=logits, tokens=np.asarray(tokens), differ=np.asarray(differ, dtype=str),
          family=np.asarray(toy_family.FAMILY.name))
 """

@@ -89,7 +89,7 @@ def run_engine(overrides: dict[str, Any], prompts: Sequence[Sequence[int]], new_
   """Runs the requests to completion step by step (no end-of-sequence token: every request generates `new_tokens`);
   returns tokens, admitted, preemptions and timings."""
   engine = LLMEngine(load_run_config(**overrides))
-  params = SamplingParams(max_tokens=new_tokens)
+  params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
   ids = [engine.add_request(list(p), params) for p in prompts]
   outputs: dict[str, tuple[int, ...]] = {}
   timed_s, timed_tokens, compiled_steps = 0.0, 0, 0

@@ -350,7 +350,9 @@ def run_maxtext(
         else peers_module.random_prompts(llm.tokenizer.vocab_size, batch, prompt_len, seed=batch)
     )
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)  # warm-up: compiles this batch's shapes (or loads them from the cache)
+    outputs = llm.generate(
+        prompts, params, use_tqdm=False
+    )  # warm-up: compiles this batch's shapes (or loads them from the cache)
     first_s = time.perf_counter() - start
     if first_call_only:
       out["batches"][str(batch)] = {"first_call_s": first_s, "tokens": peers_module.output_tokens(outputs)}
@@ -371,7 +373,7 @@ def run_maxtext(
       for _ in range(paired_rounds):
         before = probe.read()["gb_per_s"]
         decode_times.clear()
-        llm.generate(prompts, params)
+        llm.generate(prompts, params, use_tqdm=False)
         rounds.append(
             {"gb_per_s": max(before, probe.read()["gb_per_s"]), "decode_step_s": statistics.median(decode_times)}
         )
@@ -381,7 +383,9 @@ def run_maxtext(
     longest = max(map(len, agreement_ids)) + new_tokens
     llm = LLM(argv=overrides, max_num_seqs=1, max_target_length=longest, compilation_cache_dir=cache_dir, **source)
     llm.engine.scheduler.eos_token_id = None
-    out["agreement_tokens"] = [peers_module.output_tokens(llm.generate([list(i)], params))[0] for i in agreement_ids]
+    out["agreement_tokens"] = [
+        peers_module.output_tokens(llm.generate([list(i)], params, use_tqdm=False))[0] for i in agreement_ids
+    ]
   return out
 
 

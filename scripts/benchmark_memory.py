@@ -130,12 +130,12 @@ def decode_throughput(overrides: dict[str, Any], context: int, num_requests: int
   llm = LLM(**overrides)
   prompt_len = context - new_tokens
   prompts = [[3 + (i * 7 + j) % 500 for j in range(prompt_len)] for i in range(num_requests)]
-  params = SamplingParams(max_tokens=new_tokens)
-  llm.generate(prompts, params)  # warm-up: compiles every step shape of the call
+  params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+  llm.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every step shape of the call
   stats = llm.engine.stats
   before = (stats.generated_tokens, stats.step_traces)
   start = time.perf_counter()
-  llm.generate(prompts, params)
+  llm.generate(prompts, params, use_tqdm=False)
   elapsed = time.perf_counter() - start
   return {
       "requests": num_requests,

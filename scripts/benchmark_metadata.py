@@ -117,7 +117,7 @@ def decode_step_inputs(num_layers: int, num_requests: int, quick: bool) -> tuple
   )
   engine = LLMEngine(cfg)
   for i in range(num_requests):
-    engine.add_request([3 + (7 * i + j) % 500 for j in range(24)], SamplingParams(max_tokens=8))
+    engine.add_request([3 + (7 * i + j) % 500 for j in range(24)], SamplingParams(temperature=0.0, max_tokens=8))
   engine.step()  # prefill every request; the next schedule is one decode token each
   out = engine.scheduler.schedule()
   return engine, build_batch(cfg, out, engine.manager), out

@@ -47,9 +47,9 @@ def run(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[li
   """The first prompt alone, then the rest together; returns the tokens and the counters of this run."""
   engine = llm.engine
   before = dict(engine.stats.as_dict())
-  params = SamplingParams(max_tokens=max_tokens)
+  params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
   start = time.perf_counter()
-  outs = llm.generate(list(prompts[:1]), params) + llm.generate(list(prompts[1:]), params)
+  outs = llm.generate(list(prompts[:1]), params, use_tqdm=False) + llm.generate(list(prompts[1:]), params, use_tqdm=False)
   wall = time.perf_counter() - start
   after = engine.stats.as_dict()
   delta = {k: after[k] - before[k] for k in ("steps", "scheduled_tokens", "generated_tokens", "prefix_cache_hits")}

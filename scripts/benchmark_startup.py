@@ -118,7 +118,7 @@ def _api_worker(args: Sequence[str]) -> dict[str, Any]:
 
   start = time.perf_counter()
   llm = LLM(str(Path(maxtext.__file__).parent / "configs" / "base.yml"), argv=llm_args)  # the measured tree's
-  llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0), on_token=on_token)
+  llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False, on_token=on_token)
   return {
       "api_ttft_s": first[0] - start,
       "prompt_token_ids": llm.prompt_token_ids(prompt),

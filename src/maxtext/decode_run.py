@@ -71,17 +71,20 @@ def format_layout(cfg: ml_collections.FrozenConfigDict) -> str:
   return "\n".join([layout, memory_budget.format_need(cfg, memory_budget.memory_need(cfg)), capacity])
 
 
-def _logprobs_json(output: Any) -> list[dict[str, Any]]:
+def _logprobs_json(output: Any, num_top: int) -> list[dict[str, Any]]:
+  """Per token: its id and log-probability and the `num_top` most likely `[id, log-probability]` pairs (the most
+  likely first, lower id first on ties)."""
   if output.logprobs is None:
     return []
-  return [
-      {"token_id": lp.token_id, "logprob": lp.logprob, "top": [[tid, value] for tid, value in lp.top]}
-      for lp in output.logprobs
-  ]
+  out = []
+  for token, position in zip(output.token_ids, output.logprobs):
+    top = sorted(position.items(), key=lambda item: (-item[1].logprob, item[0]))[:num_top]
+    out.append({"token_id": token, "logprob": position[token].logprob, "top": [[t, lp.logprob] for t, lp in top]})
+  return out
 
 
-def outputs_to_json(outputs: Sequence[RequestOutput], stats: dict[str, Any]) -> str:
-  """The CLI's JSON document."""
+def outputs_to_json(outputs: Sequence[RequestOutput], stats: dict[str, Any], num_top_logprobs: int = 0) -> str:
+  """The CLI's JSON document (`num_top_logprobs`: the `logprobs` key, how many most likely tokens each holds)."""
   requests = []
   for out in outputs:
     completion = out.outputs[0]
@@ -91,7 +94,7 @@ def outputs_to_json(outputs: Sequence[RequestOutput], stats: dict[str, Any]) -> 
             "output_token_ids": list(completion.token_ids),
             "text": completion.text,
             "finish_reason": completion.finish_reason,
-            "logprobs": _logprobs_json(completion),
+            "logprobs": _logprobs_json(completion, num_top_logprobs),
         }
     )
   return json.dumps({"requests": requests, "stats": stats})
@@ -112,7 +115,7 @@ def run(argv: Sequence[str], cancel: threading.Event | None = None) -> int:
   report_length_cap(cfg, llm, prompts, params)
   if cfg.output_format == "json":
     outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=True, cancel=cancel)
-    print(outputs_to_json(outputs, llm.engine.stats.as_dict()))
+    print(outputs_to_json(outputs, llm.engine.stats.as_dict(), cfg.logprobs))
   elif len(prompts) == 1 and not cfg.prompts_file:
     outputs = generate_streaming(llm, prompts[0].prompt, params, cancel)
     report_cut_answers(cfg, outputs)
@@ -150,7 +153,7 @@ def generate_streaming(
 ) -> list[RequestOutput]:
   """Generates one completion, writing its text to stdout token by token (no progress bar)."""
   streamer = TextStreamer(llm.tokenizer.decode, sys.stdout)
-  outputs = llm.generate([prompt], params, on_token=streamer.on_token, cancel=cancel)
+  outputs = llm.generate([prompt], params, use_tqdm=False, on_token=streamer.on_token, cancel=cancel)
   streamer.finish()
   return outputs
 

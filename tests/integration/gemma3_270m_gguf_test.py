@@ -55,7 +55,7 @@ def fixture_expected(gemma3_270m_gguf):
 
 def _generate(gguf: str, prompts=PROMPTS, **overrides):
   llm = LLM(gguf_model_path=gguf, **RUN, **overrides)
-  return llm.generate(list(prompts), SamplingParams(max_tokens=MAX_TOKENS))
+  return llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
 
 
 def test_the_prompts_cross_the_sliding_window():

@@ -70,7 +70,7 @@ def fixture_hf_tokens(hf_model):
 @pytest.fixture(name="batch_outputs", scope="module")
 def fixture_batch_outputs(llm):
   """All prompts in one batch through the default runner (hybrid layout, whole prefills)."""
-  return llm.generate(list(PROMPTS), SamplingParams(max_tokens=MAX_TOKENS))
+  return llm.generate(list(PROMPTS), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
 
 
 def test_chat_prompts_match_transformers_token_for_token_in_one_batch(batch_outputs, hf_tokens):
@@ -115,6 +115,6 @@ def test_layouts_chunked_prefill_and_batching_keep_every_token(example_gguf, hf_
   one 16-token bucket (one compiled step)."""
   _, expected = hf_tokens
   llm = LLM(gguf_model_path=example_gguf, **RUN, **runner)
-  outputs = llm.generate(list(PROMPTS[:3]), SamplingParams(max_tokens=MAX_TOKENS))
+  outputs = llm.generate(list(PROMPTS[:3]), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
   assert [list(o.outputs[0].token_ids) for o in outputs] == expected[:3]
   assert kv_cache_checks.all_free(llm.engine.manager)

@@ -77,7 +77,7 @@ def _cached_tokens(llm, outs):
 def _workload(llm):
   """Runs the workload; returns (tokens per request, cached tokens per request), in the order listed below, and
   whether the cache-pressure round evicted cached blocks of the earlier requests."""
-  params = SamplingParams(max_tokens=MAX_TOKENS)
+  params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
   base = _tokens(0, 21)
   outs = llm.generate([base], params)
   # Shares 3 tokens (less than a block), 4 (a block), 13 (three blocks and a token), all 21 (a repeat).
@@ -91,7 +91,7 @@ def _workload(llm):
   outs += llm.generate([base], params)
   # A second request arrives while the first decodes, extending the first one's prompt and first outputs.
   engine = llm.engine
-  first = engine.add_request(_tokens(4, 10), SamplingParams(max_tokens=8))
+  first = engine.add_request(_tokens(4, 10), SamplingParams(temperature=0.0, max_tokens=8))
   finished = {}
   while not engine.scheduler.running or len(engine.scheduler.running[0].output_token_ids) < 3:
     finished.update((f.request_id, f) for f in engine.step())

@@ -70,7 +70,7 @@ def _dense_greedy(model, prompts):
 
 
 def _generate(llm, prompts):
-  outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+  outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
   assert kv_cache_checks.all_free(llm.engine.manager), "blocks or state slots leaked"
   return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -109,7 +109,7 @@ def test_sliding_groups_free_out_of_window_blocks_during_a_long_decode():
   sliding = [g for g in llm.engine.manager.groups if g.sliding_window]
   full = [g for g in llm.engine.manager.groups if g.kind == "attention" and not g.sliding_window]
   assert sliding and full
-  rid = llm.engine.add_request(prompts[0], SamplingParams(max_tokens=6))
+  rid = llm.engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=6))
   used = []
   while llm.engine.has_unfinished_requests():
     llm.engine.step()

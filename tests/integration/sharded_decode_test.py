@@ -31,7 +31,7 @@ MESHES = {
 
 def _tokens(name, **mesh):
   llm = LLM(model_name=name, **RUN, **mesh)
-  outs = llm.generate(PROMPTS, SamplingParams(max_tokens=5))
+  outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5))
   assert kv_cache_checks.all_free(llm.engine.manager)
   return [list(o.outputs[0].token_ids) for o in outs], llm
 

@@ -105,7 +105,7 @@ differ = [k for k in ("decoder_block", "layer_types", "base_emb_dim", "head_dim"
                       "logits_via_embedding", "rope_max_timescale") if cfg[k] != from_yaml[k]]
 logits = np.asarray(model(jnp.asarray([prompt], jnp.int32)))
 llm = LLM(yaml, hf_model_path=folder, **run)
-tokens = llm.generate([prompt], SamplingParams(max_tokens=int(sys.argv[6])))[0].outputs[0].token_ids
+tokens = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=int(sys.argv[6])))[0].outputs[0].token_ids
 np.savez(out, logits=logits, tokens=np.asarray(tokens), differ=np.asarray(differ, dtype=str),
          family=np.asarray(toy_family.FAMILY.name))
 """
@@ -181,7 +181,7 @@ def test_a_family_in_a_temporary_module_loads_and_decodes_as_the_family_it_renam
   assert cfg.decoder_block == "qwen3"
   np.testing.assert_array_equal(result["logits"], np.asarray(model(jnp.asarray([PROMPT], jnp.int32))))
   llm = LLM(hf_model_path=str(qwen3), **RUN)
-  tokens = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS))[0].outputs[0].token_ids
+  tokens = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))[0].outputs[0].token_ids
   assert list(result["tokens"]) == list(tokens) and len(tokens) == MAX_TOKENS
   logits = result["logits"][0]
   assert int(np.argmax(logits[-1])) == tokens[0]  # the decode's first token is the dense forward's greedy pick

@@ -140,7 +140,7 @@ def test_paged_sum_matches_the_dense_forward_at_the_first_prompt():
   model = param_checks.canonical_model(llm.engine)
   prompt = _prompts()[1]
   dense = np.asarray(model(jnp.asarray([prompt], jnp.int32))[0, -1])
-  first = llm.generate([prompt], SamplingParams(max_tokens=1))[0].outputs[0].token_ids[0]
+  first = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))[0].outputs[0].token_ids[0]
   assert first == int(np.argmax(dense))
 
 
@@ -154,7 +154,7 @@ def test_every_layout_gives_the_dense_greedy_tokens(layout):
     assert recurrent_first[:2] == ["layer.0", "layer.2"]
   assert [g.kind for g in manager.groups][0] == "recurrent" and manager.groups[0].layer_names == ("layer.0", "layer.2")
   prompts = _prompts()
-  outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+  outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
   assert kv_cache_checks.all_free(llm.engine.manager), "blocks or state slots leaked"
   assert llm.engine.stats.steps > MAX_TOKENS  # the 29-token prompt was chunked over the 16-token budget
   model = param_checks.canonical_model(llm.engine)

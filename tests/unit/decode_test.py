@@ -20,8 +20,7 @@ from flax import nnx
 from maxtext import decode, decode_run
 from maxtext.checkpoint import model_loader
 from maxtext.configs import load_config
-from maxtext.inference import CompletionOutput, RequestOutput
-from maxtext.inference.sampler import TokenLogprobs
+from maxtext.inference import CompletionOutput, Logprob, RequestOutput
 from maxtext.models import Transformer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -224,16 +223,22 @@ def test_outputs_to_json_writes_every_request_and_the_stats():
   with_lp = CompletionOutput(
       index=0,
       text="hi",
-      token_ids=(107, 108),
-      logprobs=(
-          TokenLogprobs(107, -0.5, ((107, -0.5), (9, -1.25))),
-          TokenLogprobs(108, -2.0, ((4, -1.0), (108, -2.0))),
-      ),
+      token_ids=[107, 108],
+      cumulative_logprob=-2.5,
+      logprobs=[
+          {107: Logprob(-0.5, 1), 9: Logprob(-1.25, 2)},
+          {108: Logprob(-2.0, 3), 4: Logprob(-1.0, 1), 5: Logprob(-1.5, 2)},  # the sampled token is not in the top 2
+      ],
       finish_reason="length",
   )
-  without = CompletionOutput(index=0, text="", token_ids=(2,), logprobs=None, finish_reason="stop")
-  outputs = [RequestOutput("0", "x", (1, 123), (with_lp,)), RequestOutput("1", None, (5,), (without,))]
-  doc = json.loads(decode_run.outputs_to_json(outputs, {"steps": 3, "wall_time_s": 0.25}))
+  without = CompletionOutput(
+      index=0, text="", token_ids=[2], cumulative_logprob=None, logprobs=None, finish_reason="stop"
+  )
+  outputs = [
+      RequestOutput("0", "x", [1, 123], None, [with_lp], finished=True),
+      RequestOutput("1", None, [5], None, [without], finished=True),
+  ]
+  doc = json.loads(decode_run.outputs_to_json(outputs, {"steps": 3, "wall_time_s": 0.25}, num_top_logprobs=2))
   assert doc == {
       "requests": [
           {
@@ -243,7 +248,7 @@ def test_outputs_to_json_writes_every_request_and_the_stats():
               "finish_reason": "length",
               "logprobs": [
                   {"token_id": 107, "logprob": -0.5, "top": [[107, -0.5], [9, -1.25]]},
-                  {"token_id": 108, "logprob": -2.0, "top": [[4, -1.0], [108, -2.0]]},
+                  {"token_id": 108, "logprob": -2.0, "top": [[4, -1.0], [5, -1.5]]},
               ],
           },
           {"prompt_token_ids": [5], "output_token_ids": [2], "text": "", "finish_reason": "stop", "logprobs": []},

@@ -26,8 +26,9 @@ from maxtext.checkpoint import weight_cache
 from maxtext.inference import compilation_cache, memory_budget, step_programs
 from maxtext.inference.batch import BatchInputs, build_batch, next_power_of_two, padded_num_tokens
 from maxtext.inference.kv_cache_manager import KVCacheManager, max_num_reqs
-from maxtext.inference.request import Request, RequestStatus
-from maxtext.inference.sampler import Sampler, TokenLogprobs
+from maxtext.inference.prompts import num_generatable_tokens
+from maxtext.inference.request import FINISH_STOP, Request, RequestStatus
+from maxtext.inference.sampler import Sampler, TokenHistory, TokenLogprobs
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from maxtext.kv_cache import kv_cache_spec
@@ -93,6 +94,7 @@ class FinishedRequest:
   logprobs: tuple[TokenLogprobs, ...] | None
   finish_reason: str
   num_cached_tokens: int = 0
+  stop_reason: int | str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +212,7 @@ class LLMEngine:
     self.layer_map = self.manager.layer_name_to_kvcache_index
     self.recurrent_slots = self.manager.recurrent_slot_indices
     self.scheduler = Scheduler(cfg, self.manager, eos_token_id=eos_token_id)
-    self.sampler = Sampler(cfg.seed)
+    self.sampler = Sampler(cfg.seed, eos_token_id=eos_token_id)
     self.stats = EngineStats()
     self._logprobs: dict[str, list[TokenLogprobs]] = {}
     self._aborted: list[FinishedRequest] = []
@@ -519,6 +521,17 @@ class LLMEngine:
     self.stats.aborted_requests += 1
     self._aborted.append(self._finished(request))
 
+  def finish_request(self, request_id: str, stop_reason: str) -> None:
+    """Finishes a running or waiting request now with reason "stop": its caller found the stop string
+    `stop_reason` in its text. Its blocks and state slot return at once; the next `step()` reports it.
+
+    Raises:
+      ValueError: no unfinished request has this id.
+    """
+    request = self.scheduler.abort_request(request_id, FINISH_STOP)
+    request.stop_reason = stop_reason
+    self._aborted.append(self._finished(request))
+
   def _finished(self, r: Request) -> FinishedRequest:
     self.stats.cached_tokens_per_request[r.request_id] = r.num_cached_tokens
     return FinishedRequest(
@@ -528,6 +541,7 @@ class LLMEngine:
         logprobs=tuple(self._logprobs.pop(r.request_id)) if r.request_id in self._logprobs else None,
         finish_reason=r.finish_reason,
         num_cached_tokens=r.num_cached_tokens,
+        stop_reason=r.stop_reason,
     )
 
   def _zero_slots(self, slots: Sequence[int]) -> None:
@@ -579,7 +593,7 @@ class LLMEngine:
         return aborted
       requests = {e.request.request_id: e.request for e in out.scheduled}
       params = [requests[rid].sampling_params for rid in out.sampling_request_ids]
-      if params and all(p.is_greedy and p.logprobs is None for p in params):
+      if params and all(p.plain_argmax for p in params):
         pending = _DispatchedStep(out, *self._dispatch_greedy(out, build_batch(self.cfg, out, self.manager)), rows=None)
       else:
         sampled = self._run_and_sample(out, requests, params)
@@ -644,8 +658,12 @@ class LLMEngine:
     if params:
       indices = sampling_logits_indices(batch, out.sampling_request_ids)
       logits = np.asarray(self._logits(self._state_leaves, hidden, indices))[: len(params)]
-      steps = [len(requests[rid].output_token_ids) for rid in out.sampling_request_ids]
-      result = self.sampler.sample(logits, params, steps)
+      rows = [requests[rid] for rid in out.sampling_request_ids]
+      steps = [len(r.output_token_ids) for r in rows]
+      histories = [
+          TokenHistory(r.prompt_token_ids, r.output_token_ids) if r.sampling_params.has_penalties else None for r in rows
+      ]
+      result = self.sampler.sample(logits, params, steps, histories)
       for rid, token, logprob in zip(out.sampling_request_ids, result.token_ids, result.logprobs):
         sampled[rid] = int(token)
         if logprob is not None:
@@ -676,9 +694,9 @@ class LLMEngine:
     limit = self.scheduler.max_target_length
     for request, n in out.scheduled:
       p = request.sampling_params
-      if n != 1 or not p.is_greedy or p.logprobs is not None:
+      if n != 1 or not p.plain_argmax:
         return None
-      if len(request.output_token_ids) + 1 >= p.max_tokens or request.num_tokens + 1 >= limit:
+      if len(request.output_token_ids) + 1 >= num_generatable_tokens(request.num_prompt_tokens, p.max_tokens, limit):
         return None  # finishes by length in this step
     computed = {}
     for request, _ in out.scheduled:

@@ -8,7 +8,7 @@ integers, not bools). Checking the ids against the vocabulary and `max_target_le
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 _SURROGATE_ESCAPES = range(0xDC80, 0xDD00)  # how os.fsdecode represents undecodable bytes 0x80..0xff
@@ -26,7 +26,8 @@ def normalize_prompts(prompts: Any) -> list[Any]:
   """The prompts of one `generate` call as a list: a lone string or token-id list becomes a list of one.
 
   Args:
-    prompts: a string, a sequence of token ids, or a sequence of those.
+    prompts: a string, a sequence of token ids, a dict prompt (vLLM's `{"prompt": ...}` forms), or a sequence of
+      those.
 
   Returns:
     The prompts, each a string or a sequence (checked by `check_prompt`).
@@ -34,16 +35,16 @@ def normalize_prompts(prompts: Any) -> list[Any]:
   Raises:
     TypeError: `prompts` is none of the accepted forms (bytes, None, a number, ...).
   """
-  if isinstance(prompts, str):
+  if isinstance(prompts, (str, Mapping)):
     return [prompts]
   if isinstance(prompts, (bytes, bytearray)):
     raise TypeError(
-        f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
+        f"prompts must be a string, a list of token ids, a dict prompt, or a list of those; got {type(prompts).__name__}"
         " (decode bytes to str first, or pass list(...) for token ids)"
     )
   if not _is_prompt_sequence(prompts):
     raise TypeError(
-        "prompts must be a string, a list of token ids, or a list of those; got"
+        "prompts must be a string, a list of token ids, a dict prompt, or a list of those; got"
         f" {type(prompts).__name__} {prompts!r:.40}"
     )
   if prompts and _is_token_id(prompts[0]):
@@ -96,9 +97,11 @@ def check_prompt(prompt: Any, where: str) -> None:
       raise TypeError(f"{where}[{i}] must be an int token id, got {type(token).__name__} {token!r}")
 
 
-def num_generatable_tokens(num_prompt_tokens: int, max_tokens: int, max_target_length: int) -> int:
-  """Tokens a request can generate: `max_tokens`, or fewer when prompt + output would pass `max_target_length`."""
-  return max(0, min(max_tokens, max_target_length - num_prompt_tokens))
+def num_generatable_tokens(num_prompt_tokens: int, max_tokens: int | None, max_target_length: int) -> int:
+  """Tokens a request can generate: `max_tokens` (None: no bound of its own), or fewer when prompt + output would
+  pass `max_target_length`."""
+  room = max_target_length - num_prompt_tokens
+  return max(0, room if max_tokens is None else min(max_tokens, room))
 
 
 def check_sequence_of(items: Sequence[Any], kind: type, where: str) -> None:

@@ -49,6 +49,7 @@ class Request:
   status: RequestStatus = RequestStatus.WAITING
   arrival_index: int = -1
   finish_reason: str | None = None
+  stop_reason: int | str | None = None  # the stop token id or stop string that finished it (None: eos, length)
   num_preemptions: int = 0
   num_cached_tokens: int = 0
 

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from maxtext.inference.kv_cache_manager import KVCacheManager
+from maxtext.inference.prompts import num_generatable_tokens
 from maxtext.inference.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,9 @@ class Scheduler:
           f"request {rid!r}: the prompt has {num_prompt} tokens but must be shorter than"
           f" max_target_length={self.max_target_length} to leave room for a generated token"
       )
-    final_length = min(num_prompt + request.sampling_params.max_tokens, self.max_target_length)
+    final_length = num_prompt + num_generatable_tokens(
+        num_prompt, request.sampling_params.max_tokens, self.max_target_length
+    )
     # The last generated token is never fed back, so the cache holds at most final_length - 1 tokens.
     self.kv_cache_manager.check_request_fits(rid, final_length - 1)
 
@@ -279,8 +282,9 @@ class Scheduler:
         " raise kv_cache_memory_bytes or num_kv_blocks, or lower max_num_batched_tokens for sliding-window groups"
     )
 
-  def abort_request(self, request_id: str) -> Request:
-    """Finishes an unfinished request now (reason "abort"), returning its blocks and state slot at once.
+  def abort_request(self, request_id: str, reason: str = FINISH_ABORT) -> Request:
+    """Finishes an unfinished request now (reason "abort", or `reason`: "stop" for a stop string the caller found
+    in its text), returning its blocks and state slot at once.
 
     Call it between steps (after `update_from_output`, before the next `schedule`); the other requests are not
     touched, so their tokens do not change. A released state slot is zeroed before the next step, as for any
@@ -296,7 +300,7 @@ class Scheduler:
       raise ValueError(f"request {request_id!r}: no unfinished request has this id (never added, or already finished)")
     request = next((r for r in self.running if r.request_id == request_id), None)
     if request is not None:
-      self._finish(request, FINISH_ABORT)
+      self._finish(request, reason)
       return request
     request = next(r for r in self.waiting if r.request_id == request_id)
     self.waiting.remove(request)
@@ -304,7 +308,7 @@ class Scheduler:
     assert not self.kv_cache_manager.has_request(request_id), request_id
     self._active_ids.discard(request_id)
     request.status = RequestStatus.FINISHED
-    request.finish_reason = FINISH_ABORT
+    request.finish_reason = reason
     return request
 
   # ------------------------------------------------------------------ results
@@ -356,9 +360,15 @@ class Scheduler:
 
   def _finish_reason(self, request: Request, token: int) -> str | None:
     params = request.sampling_params
-    if token in params.stop_token_ids or (self.eos_token_id is not None and token == self.eos_token_id):
-      return FINISH_STOP
-    if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_target_length:
+    num_output = len(request.output_token_ids)
+    if num_output >= params.min_tokens:
+      if token == self.eos_token_id and not params.ignore_eos:
+        return FINISH_STOP
+      if token in params.stop_token_ids:
+        request.stop_reason = token
+        return FINISH_STOP
+    limit = num_generatable_tokens(request.num_prompt_tokens, params.max_tokens, self.max_target_length)
+    if num_output >= limit:
       return FINISH_LENGTH
     return None
 

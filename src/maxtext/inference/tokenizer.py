@@ -57,8 +57,10 @@ class ByteTokenizer:
     ids = [b + self.offset for b in text.encode("utf-8")]
     return [self.bos_token_id] + ids if add_bos else ids
 
-  def decode(self, token_ids: Sequence[int]) -> str:
-    """Text of the byte tokens (specials and non-byte ids dropped, invalid UTF-8 replaced)."""
+  def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """Text of the byte tokens (specials and non-byte ids dropped whatever `skip_special_tokens` says: they have no
+    text; invalid UTF-8 replaced)."""
+    del skip_special_tokens
     data = bytes(int(t) - self.offset for t in token_ids if self.offset <= int(t) < 256 + self.offset)
     return data.decode("utf-8", errors="replace")
 
@@ -159,9 +161,9 @@ class HFTokenizer:
       ids.insert(0, self.bos_token_id)
     return ids
 
-  def decode(self, token_ids: Sequence[int]) -> str:
-    """Text of the ids, special tokens skipped."""
-    return self._tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True)
+  def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """Text of the ids, special tokens skipped unless `skip_special_tokens` is false."""
+    return self._tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)
 
 
 def _tokenizer_file(path: str) -> str:

@@ -464,7 +464,7 @@ def test_llm_renders_the_files_chat_template_and_decodes(tmp_path, llama_file):
 
   path, _ = llama_file
   llm = LLM(gguf_model_path=str(path), use_chat_template=True, max_target_length=64, num_kv_blocks=16)
-  out = llm.generate("hello", SamplingParams(max_tokens=3))[0]
+  out = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=3))[0]
   vocab = _vocab()
   # bos_token (<|im_start|>) from the template itself, then the turn; no second bos is added.
   expected = ["<|im_start|>", "<|im_start|>", "u", "s", "e", "r", "Ċ", "hell", "o", "<|im_end|>", "Ċ", "<|im_start|>"]
@@ -472,11 +472,11 @@ def test_llm_renders_the_files_chat_template_and_decodes(tmp_path, llama_file):
   assert [vocab[i] for i in out.prompt_token_ids] == expected
   assert len(out.outputs[0].token_ids) >= 1
   plain = LLM(gguf_model_path=str(path), max_target_length=64, num_kv_blocks=16)
-  assert plain.generate("hello", SamplingParams(max_tokens=1))[0].prompt_token_ids == (
+  assert plain.generate("hello", SamplingParams(temperature=0.0, max_tokens=1))[0].prompt_token_ids == [
       1,
       vocab.index("hell"),
       vocab.index("o"),
-  )
+  ]
   path_without = tmp_path / "no-template.gguf"
   write_model(path_without, template=None)
   with pytest.raises(ValueError, match="use_chat_template=true but .*no-template.gguf has no chat template"):

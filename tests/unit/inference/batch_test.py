@@ -86,7 +86,7 @@ def test_mixed_batch_decode_chunked_prefill_and_new_prefill(configs, make_specs)
 def test_sliding_group_table_has_null_entries_for_freed_blocks(configs, make_specs):
   cfg = configs["gemma3"](block_size=4, num_kv_blocks=32, max_num_batched_tokens=32, max_target_length=64)
   scheduler, manager = _setup(cfg, make_specs)
-  scheduler.add_request(Request("a", list(range(3, 23)), SamplingParams(max_tokens=4)))
+  scheduler.add_request(Request("a", list(range(3, 23)), SamplingParams(temperature=0.0, max_tokens=4)))
   scheduler.update_from_output(scheduler.schedule(), {"a": 9})
   batch = build_batch(cfg, scheduler.schedule(), manager)
   # Groups (0, 3), (1, 4) sliding and (2, 5) full share one pool: the prompt took blocks 1-5, 6-10, 11-15. The

@@ -70,10 +70,10 @@ def fixture_hybrid():
 @pytest.mark.parametrize("when", ["waiting", "mid_prefill", "mid_decode"])
 def test_abort_frees_at_once_and_leaves_the_others_unchanged(hybrid, when):
   prompts = _prompts(1, (30, 9, 12))
-  params = SamplingParams(max_tokens=6)
+  params = SamplingParams(temperature=0.0, max_tokens=6)
   expected = [_alone(hybrid, p, params) for p in prompts]
   victim_prompt = _prompts(2, (26,))[0]  # 26 tokens: two prefill chunks of the 16-token budget
-  victim = hybrid.add_request(victim_prompt, SamplingParams(max_tokens=20))  # first: it starts at step 1
+  victim = hybrid.add_request(victim_prompt, SamplingParams(temperature=0.0, max_tokens=20))  # first: it starts at step 1
   ids = [hybrid.add_request(p, params) for p in prompts]
   steps = {"waiting": 0, "mid_prefill": 1, "mid_decode": 5}[when]
   done = {}
@@ -100,7 +100,7 @@ def test_abort_frees_at_once_and_leaves_the_others_unchanged(hybrid, when):
 
 
 def test_abort_of_an_unknown_or_finished_request_is_a_value_error(hybrid):
-  rid = hybrid.add_request([5, 6, 7], SamplingParams(max_tokens=1))
+  rid = hybrid.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1))
   _run(hybrid)
   for bad in (rid, "never-added"):
     with pytest.raises(ValueError, match=rf"request '{bad}': no unfinished request has this id"):
@@ -110,7 +110,7 @@ def test_abort_of_an_unknown_or_finished_request_is_a_value_error(hybrid):
 
 def test_a_request_failing_validation_does_not_disturb_running_ones(hybrid):
   prompts = _prompts(3, (20, 7))
-  params = SamplingParams(max_tokens=5)
+  params = SamplingParams(temperature=0.0, max_tokens=5)
   expected = [_alone(hybrid, p, params) for p in prompts]
   ids = [hybrid.add_request(p, params) for p in prompts]
   done = {f.request_id: f for f in hybrid.step()}
@@ -130,7 +130,10 @@ def test_cache_exhaustion_preempts_and_every_request_matches_its_solo_run(name):
   # 13 usable blocks of 4 tokens per attention group (kvshare-tiny has four); each request needs up to 10 in each.
   engine = _engine(name, num_kv_blocks={"qwen3.5-tiny": 14, "kvshare-tiny": 53}[name])
   prompts = _prompts(4, (22, 17, 25, 12, 19, 28))
-  params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=7)] * 3
+  params = [
+      SamplingParams(temperature=0.0, max_tokens=12),
+      SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=7),
+  ] * 3
   expected = [_alone(engine, p, sp) for p, sp in zip(prompts, params)]
   ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
   preemptions = engine.stats.preemptions
@@ -143,7 +146,7 @@ def test_cache_exhaustion_preempts_and_every_request_matches_its_solo_run(name):
 @pytest.mark.slow
 def test_llm_abort_request_and_an_interrupted_generate_leave_nothing_behind(monkeypatch):
   llm = LLM(model_name="qwen3.5-tiny", **dict(RUNNER, num_kv_blocks=16))
-  rid = llm.engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=30))
+  rid = llm.engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=30))
   llm.engine.step()
   llm.abort_request(rid)
   assert kv_cache_checks.all_free(llm.engine.manager)
@@ -158,10 +161,12 @@ def test_llm_abort_request_and_an_interrupted_generate_leave_nothing_behind(monk
 
   monkeypatch.setattr(llm.engine, "step", step_then_interrupt)
   with pytest.raises(KeyboardInterrupt):
-    llm.generate([[5, 6, 7], [8, 9] * 10], SamplingParams(max_tokens=8))
+    llm.generate([[5, 6, 7], [8, 9] * 10], SamplingParams(temperature=0.0, max_tokens=8))
   assert not llm.engine.scheduler.has_unfinished_requests() and kv_cache_checks.all_free(llm.engine.manager)
   monkeypatch.undo()
-  (out,) = llm.generate([[11, 12]], SamplingParams(max_tokens=3))  # the next call runs only its own request
+  (out,) = llm.generate(
+      [[11, 12]], SamplingParams(temperature=0.0, max_tokens=3)
+  )  # the next call runs only its own request
   assert len(out.outputs[0].token_ids) == 3 and llm.engine.stats.aborted_requests == 3
 
 
@@ -175,11 +180,11 @@ def test_a_set_cancel_event_stops_generate_before_its_next_step():
     cancel.set()  # as a Ctrl-C handler would, after the first sampled token
 
   with pytest.raises(KeyboardInterrupt, match="generate cancelled"):
-    llm.generate([[5, 6, 7], [8, 9, 10]], SamplingParams(max_tokens=8), on_token=on_token, cancel=cancel)
+    llm.generate([[5, 6, 7], [8, 9, 10]], SamplingParams(temperature=0.0, max_tokens=8), on_token=on_token, cancel=cancel)
   assert len(seen) == 2  # one step ran (both prompts prefilled and sampled once), the next did not
   assert not llm.engine.scheduler.has_unfinished_requests() and kv_cache_checks.all_free(llm.engine.manager)
   assert llm.engine.stats.aborted_requests == 2
-  (out,) = llm.generate([[11, 12]], SamplingParams(max_tokens=3), cancel=threading.Event())
+  (out,) = llm.generate([[11, 12]], SamplingParams(temperature=0.0, max_tokens=3), cancel=threading.Event())
   assert len(out.outputs[0].token_ids) == 3
 
 
@@ -199,9 +204,11 @@ def test_logits_rows_padded_to_a_given_count_and_never_below_the_sampling_reques
 def test_greedy_and_sampled_steps_produce_the_same_greedy_tokens():
   """The fused greedy program and the separate step + logits path agree (temperature 0 through the sampler)."""
   prompts = [[5, 6, 7, 8], [9, 10]]
-  fused = LLM(model_name="llama-tiny", **RUNNER).generate(prompts, SamplingParams(max_tokens=5))
+  fused = LLM(model_name="llama-tiny", **RUNNER).generate(prompts, SamplingParams(temperature=0.0, max_tokens=5))
   # Logprobs send greedy requests through the separate path: logits to the host, the sampler's argmax.
-  separate = LLM(model_name="llama-tiny", **RUNNER).generate(prompts, SamplingParams(max_tokens=5, logprobs=1))
+  separate = LLM(model_name="llama-tiny", **RUNNER).generate(
+      prompts, SamplingParams(temperature=0.0, max_tokens=5, logprobs=1)
+  )
   assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in separate]
 
 
@@ -216,8 +223,10 @@ def test_state_slot_zeroing_compiles_once_when_the_engine_starts():
   llm = LLM(model_name="qwen3.5-tiny", **RUNNER)
   zero_rows = llm.engine._zero_rows  # pylint: disable=protected-access
   assert zero_rows._cache_size() == 1  # pylint: disable=protected-access
-  first = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3))
-  again = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3))  # the freed slots are zeroed and reused
+  first = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0.0, max_tokens=3))
+  again = llm.generate(
+      [[5, 6, 7], [8, 9]], SamplingParams(temperature=0.0, max_tokens=3)
+  )  # the freed slots are zeroed and reused
   assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
   assert zero_rows._cache_size() == 1  # pylint: disable=protected-access
 

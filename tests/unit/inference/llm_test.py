@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from support import kv_cache_checks, param_checks
-from maxtext.inference import LLM, CompletionOutput, RequestOutput, SamplingParams
+from maxtext.inference import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
+from maxtext.inference import llm as llm_module
 
 EOS = 2  # the byte-level tokenizer's eos id
 BYTE_OFFSET = 3  # byte b is token b + 3 (0, 1, 2 are pad, bos, eos)
@@ -70,7 +71,7 @@ def fixture_greedy(llm):
 
 
 def test_a_string_prompt_is_byte_encoded_with_bos_and_decoded_greedily(llm, greedy):
-  outputs = llm.generate("hi!", SamplingParams(max_tokens=5))
+  outputs = llm.generate("hi!", SamplingParams(temperature=0.0, max_tokens=5))
   assert len(outputs) == 1 and isinstance(outputs[0], RequestOutput)
   out = outputs[0]
   assert out.prompt == "hi!"
@@ -88,9 +89,9 @@ def test_a_string_prompt_is_byte_encoded_with_bos_and_decoded_greedily(llm, gree
 
 def test_token_id_prompts_single_or_listed_give_the_same_tokens(llm, greedy):
   prompt = [17, 300, 45, 99, 7]
-  single = llm.generate(prompt, SamplingParams(max_tokens=4))
-  listed = llm.generate([prompt], SamplingParams(max_tokens=4))
-  as_tuple = llm.generate([tuple(prompt)], SamplingParams(max_tokens=4))
+  single = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4))
+  listed = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))
+  as_tuple = llm.generate([tuple(prompt)], SamplingParams(temperature=0.0, max_tokens=4))
   expected, _ = greedy(prompt, 4)
   assert _tokens(single) == _tokens(listed) == _tokens(as_tuple) == [expected]
   assert single[0].prompt is None and list(single[0].prompt_token_ids) == prompt
@@ -98,7 +99,7 @@ def test_token_id_prompts_single_or_listed_give_the_same_tokens(llm, greedy):
 
 def test_a_batch_keeps_prompt_order_and_matches_each_prompt_alone(llm, greedy):
   prompts = ["abc", [400, 401, 402, 403, 404, 405, 406], "a longer prompt!", [9]]
-  outputs = llm.generate(prompts, SamplingParams(max_tokens=4))
+  outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
   assert [o.prompt for o in outputs] == ["abc", None, "a longer prompt!", None]
   ids = [_byte_ids("abc"), prompts[1], _byte_ids("a longer prompt!"), [9]]
   assert [list(o.prompt_token_ids) for o in outputs] == ids
@@ -109,13 +110,19 @@ def test_a_batch_keeps_prompt_order_and_matches_each_prompt_alone(llm, greedy):
 
 def test_one_sampling_params_per_prompt(llm, greedy):
   prompts = [[5, 6, 7], [8, 9]]
-  outputs = llm.generate(prompts, [SamplingParams(max_tokens=2), SamplingParams(max_tokens=5)])
+  outputs = llm.generate(
+      prompts, [SamplingParams(temperature=0.0, max_tokens=2), SamplingParams(temperature=0.0, max_tokens=5)]
+  )
   assert _tokens(outputs) == [greedy(prompts[0], 2)[0], greedy(prompts[1], 5)[0]]
 
 
 def test_generate_iter_yields_each_output_as_soon_as_it_and_the_earlier_ones_are_finished(llm, greedy):
   short, long, middle = [5, 6, 7], [8, 9], [10, 11, 12]
-  params = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=12), SamplingParams(max_tokens=3)]
+  params = [
+      SamplingParams(temperature=0.0, max_tokens=2),
+      SamplingParams(temperature=0.0, max_tokens=12),
+      SamplingParams(temperature=0.0, max_tokens=3),
+  ]
   expected = [greedy(short, 2)[0], greedy(long, 12)[0], greedy(middle, 3)[0]]
   assert len(expected[0]) < len(expected[2]) < len(expected[1])  # the seeded model meets no eos this early
   outputs = llm.generate_iter([short, long, middle], params)
@@ -128,12 +135,14 @@ def test_generate_iter_yields_each_output_as_soon_as_it_and_the_earlier_ones_are
 
 
 def test_closing_generate_iter_early_aborts_the_unfinished_requests(llm, greedy):
-  outputs = llm.generate_iter([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=12)])
+  outputs = llm.generate_iter(
+      [[5, 6, 7], [8, 9]], [SamplingParams(temperature=0.0, max_tokens=2), SamplingParams(temperature=0.0, max_tokens=12)]
+  )
   assert _tokens([next(outputs)]) == [greedy([5, 6, 7], 2)[0]]
   outputs.close()
   assert not llm.engine.scheduler.has_unfinished_requests() and kv_cache_checks.all_free(llm.engine.manager)
   # The engine serves the next call as if nothing had happened (its first step reports the abort).
-  assert _tokens(llm.generate([8, 9], SamplingParams(max_tokens=3))) == [greedy([8, 9], 3)[0]]
+  assert _tokens(llm.generate([8, 9], SamplingParams(temperature=0.0, max_tokens=3))) == [greedy([8, 9], 3)[0]]
   assert not llm.engine.has_unfinished_requests()
 
 
@@ -143,14 +152,17 @@ def test_generate_iter_checks_the_prompts_before_returning(llm):
   assert not llm.engine.has_unfinished_requests()
 
 
-def test_the_default_sampling_params_are_greedy_16_tokens(llm, greedy):
+def test_the_default_sampling_params_are_vllms_16_tokens_at_temperature_one(llm, greedy):
   outputs = llm.generate([3, 4, 5])
-  assert _tokens(outputs) == [greedy([3, 4, 5], 16)[0]]
+  assert len(_tokens(outputs)[0]) == 16
+  assert _tokens(outputs) != [greedy([3, 4, 5], 16)[0]]  # sampled from the whole distribution, not the argmax
+  seeded = [llm.generate([3, 4, 5], SamplingParams(seed=7))[0].outputs[0].token_ids for _ in range(2)]
+  assert seeded[0] == seeded[1] and len(seeded[0]) == 16
 
 
 def test_sampling_params_count_must_match_the_prompts(llm):
   with pytest.raises(ValueError, match=r"got 3 SamplingParams for 2 prompts; give one or one each"):
-    llm.generate([[1, 2], [3, 4]], [SamplingParams()] * 3)
+    llm.generate([[1, 2], [3, 4]], [SamplingParams(temperature=0.0)] * 3)
 
 
 @pytest.mark.parametrize(
@@ -164,7 +176,7 @@ def test_sampling_params_count_must_match_the_prompts(llm):
 )
 def test_a_prompt_that_is_neither_text_nor_token_ids_is_a_type_error(llm, prompts, match):
   with pytest.raises(TypeError, match=match):
-    llm.generate(prompts, SamplingParams(max_tokens=1))
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
   assert not llm.engine.has_unfinished_requests()
 
 
@@ -178,22 +190,22 @@ def test_a_prompt_that_is_neither_text_nor_token_ids_is_a_type_error(llm, prompt
 )
 def test_a_prompt_the_scheduler_rejects_is_a_value_error(llm, prompts, match):
   with pytest.raises(ValueError, match=match):
-    llm.generate(prompts, SamplingParams(max_tokens=1))
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
 
 
 def test_an_empty_list_of_prompts_gives_no_outputs(llm):
-  assert llm.generate([], SamplingParams(max_tokens=1)) == []
+  assert llm.generate([], SamplingParams(temperature=0.0, max_tokens=1)) == []
 
 
 def test_a_rejected_prompt_queues_none_of_the_batch(llm, greedy):
   with pytest.raises(ValueError, match=r"the prompt has 37 tokens"):
-    llm.generate([[10, 11, 12], list(range(3, 40))], SamplingParams(max_tokens=2))
+    llm.generate([[10, 11, 12], list(range(3, 40))], SamplingParams(temperature=0.0, max_tokens=2))
   with pytest.raises(TypeError, match=r"prompts\[1\] must be a string or a list of token ids"):
-    llm.generate([[10, 11, 12], 3.0], SamplingParams(max_tokens=2))
+    llm.generate([[10, 11, 12], 3.0], SamplingParams(temperature=0.0, max_tokens=2))
   assert not llm.engine.has_unfinished_requests()
   # The next call returns exactly its own request and does not run leftovers of the failed ones.
   generated_before = llm.engine.stats.generated_tokens
-  outputs = llm.generate([[20, 21]], SamplingParams(max_tokens=2))
+  outputs = llm.generate([[20, 21]], SamplingParams(temperature=0.0, max_tokens=2))
   assert _tokens(outputs) == [greedy([20, 21], 2)[0]]
   assert llm.engine.stats.generated_tokens - generated_before == 2
   assert kv_cache_checks.all_free(llm.engine.manager)
@@ -202,27 +214,32 @@ def test_a_rejected_prompt_queues_none_of_the_batch(llm, greedy):
 def test_logprobs_follow_the_dense_forward_and_are_absent_unless_asked(llm, greedy):
   prompt = [50, 60, 70, 80]
   with_lp, without = llm.generate(
-      [prompt, prompt], [SamplingParams(max_tokens=4, logprobs=3), SamplingParams(max_tokens=4)]
+      [prompt, prompt],
+      [SamplingParams(temperature=0.0, max_tokens=4, logprobs=3), SamplingParams(temperature=0.0, max_tokens=4)],
   )
   expected, rows = greedy(prompt, 4)
   assert without.outputs[0].logprobs is None
   assert list(with_lp.outputs[0].token_ids) == list(without.outputs[0].token_ids) == expected
   logprobs = with_lp.outputs[0].logprobs
   assert len(logprobs) == len(expected)
-  for lp, token, row in zip(logprobs, expected, rows):
-    assert lp.token_id == token
-    np.testing.assert_allclose(lp.logprob, row[token], atol=1e-4)
+  for position, token, row in zip(logprobs, expected, rows):
     best = np.argsort(-row, kind="stable")[:3]
-    assert [t for t, _ in lp.top] == best.tolist()
-    np.testing.assert_allclose([v for _, v in lp.top], row[best], atol=1e-4)
-    assert lp.top[0] == (token, lp.logprob)  # greedy: the sampled token is the most likely one
+    assert token == best[0]  # greedy: the sampled token is the most likely one, so the dict holds the 3 best
+    assert list(position) == best.tolist()
+    for rank, t in enumerate(best, start=1):
+      assert isinstance(position[t], Logprob) and position[t].rank == rank
+      np.testing.assert_allclose(position[t].logprob, row[t], atol=1e-4)
+      assert position[t].decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False)
+  np.testing.assert_allclose(with_lp.outputs[0].cumulative_logprob, sum(r[t] for r, t in zip(rows, expected)), atol=1e-4)
+  assert without.outputs[0].cumulative_logprob is None
 
 
 def test_logprobs_zero_gives_only_the_sampled_token(llm, greedy):
-  out = llm.generate([[30, 31]], SamplingParams(max_tokens=2, logprobs=0))[0].outputs[0]
+  out = llm.generate([[30, 31]], SamplingParams(temperature=0.0, max_tokens=2, logprobs=0))[0].outputs[0]
   _, rows = greedy([30, 31], 2)
-  assert [lp.top for lp in out.logprobs] == [(), ()]
-  np.testing.assert_allclose([lp.logprob for lp in out.logprobs], [r[t] for r, t in zip(rows, out.token_ids)], atol=1e-4)
+  assert [list(position) for position in out.logprobs] == [[t] for t in out.token_ids]
+  got = [position[t].logprob for position, t in zip(out.logprobs, out.token_ids)]
+  np.testing.assert_allclose(got, [r[t] for r, t in zip(rows, out.token_ids)], atol=1e-4)
 
 
 def test_finish_reasons_stop_token_max_tokens_and_max_target_length(llm, greedy):
@@ -234,9 +251,9 @@ def test_finish_reasons_stop_token_max_tokens_and_max_target_length(llm, greedy)
   stopped, capped, at_limit = llm.generate(
       [prompt, prompt, list(range(3, 3 + 29))],
       [
-          SamplingParams(max_tokens=6, stop_token_ids=[stop_at]),
-          SamplingParams(max_tokens=3),
-          SamplingParams(max_tokens=10),
+          SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[stop_at]),
+          SamplingParams(temperature=0.0, max_tokens=3),
+          SamplingParams(temperature=0.0, max_tokens=10),
       ],
   )
   assert list(stopped.outputs[0].token_ids) == expected[: first + 1]  # the stop token is kept
@@ -248,7 +265,7 @@ def test_finish_reasons_stop_token_max_tokens_and_max_target_length(llm, greedy)
 
 
 def test_the_progress_bar_goes_to_stderr(llm, capsys):
-  llm.generate([[40, 41]], SamplingParams(max_tokens=2), use_tqdm=True)
+  llm.generate([[40, 41]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=True)
   captured = capsys.readouterr()
   assert captured.out == ""
   assert "generating" in captured.err
@@ -261,11 +278,14 @@ def _last_bar(err: str) -> str:
 
 def test_the_progress_bar_ends_at_100_percent_when_requests_stop_early(llm, capsys):
   prompt = [100, 101, 102]
-  (free,) = llm.generate([prompt], SamplingParams(max_tokens=6))
+  (free,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))
   stop_at = free.outputs[0].token_ids[2]
   outputs = llm.generate(
       [prompt, [40, 41]],
-      [SamplingParams(max_tokens=20, stop_token_ids=[stop_at]), SamplingParams(max_tokens=4)],
+      [
+          SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_at]),
+          SamplingParams(temperature=0.0, max_tokens=4),
+      ],
       use_tqdm=True,
   )
   generated = sum(len(out.outputs[0].token_ids) for out in outputs)
@@ -292,7 +312,7 @@ def test_seeded_sampling_is_reproducible_across_engines_and_batches():
   assert _tokens(alone)[0] == _tokens(batch)[1]
   assert _tokens(batch)[1] != _tokens(batch)[2]  # another seed draws other tokens
   assert _tokens(batch)[1] != _tokens(batch)[3]  # the same seed on another prompt too
-  greedy_tokens = _tokens(other.generate([prompt], SamplingParams(max_tokens=8)))[0]
+  greedy_tokens = _tokens(other.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8)))[0]
   assert _tokens(alone)[0] != greedy_tokens  # temperature 1.5 really samples
   assert kv_cache_checks.all_free(other.engine.manager)
 
@@ -300,18 +320,20 @@ def test_seeded_sampling_is_reproducible_across_engines_and_batches():
 def test_engine_stats_count_steps_tokens_and_compile_once_per_bucket():
   llm = LLM(**OVERRIDES, min_token_bucket=16)  # the runner's smallest bucket: decodes share the 16-token one
   stats = llm.engine.stats
-  llm.generate([[3] * 5, [4] * 7], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=2)])
+  llm.generate(
+      [[3] * 5, [4] * 7], [SamplingParams(temperature=0.0, max_tokens=4), SamplingParams(temperature=0.0, max_tokens=2)]
+  )
   # Step 1 prefills both prompts (12 tokens), then one decode step per further token of the longer request.
   assert (stats.steps, stats.prompt_tokens, stats.generated_tokens) == (4, 12, 6)
   assert stats.scheduled_tokens == 12 + 2 + 1 + 1
   assert stats.preemptions == 0 and stats.wall_time_s > 0
   assert stats.step_traces == 1
   # More requests and other lengths in the same 16-token bucket: no new trace.
-  llm.generate([[5] * 9, [6], [7] * 3], SamplingParams(max_tokens=3))
+  llm.generate([[5] * 9, [6], [7] * 3], SamplingParams(temperature=0.0, max_tokens=3))
   assert stats.step_traces == 1
   assert (stats.steps, stats.generated_tokens) == (7, 15)
   # A 20-token prefill needs the 32-token bucket: exactly one more trace, and its decodes reuse the first one.
-  llm.generate([[8] * 20], SamplingParams(max_tokens=3))
+  llm.generate([[8] * 20], SamplingParams(temperature=0.0, max_tokens=3))
   assert stats.step_traces == 2
   as_dict = stats.as_dict()
   assert as_dict["steps"] == 10 and as_dict["generated_tokens"] == 18
@@ -323,3 +345,95 @@ def test_more_tensor_parallel_devices_than_jax_has_is_an_error():
   devices = len(jax.devices())
   with pytest.raises(ValueError, match=rf"ici_tensor_parallelism={2 * devices} needs {2 * devices} devices, but JAX"):
     LLM(ici_tensor_parallelism=2 * devices)
+
+
+def _ascii_stop(expected):
+  """A position k >= 1 of `expected` whose byte is printable ASCII not seen before it, and that character."""
+  for k in range(1, len(expected)):
+    byte = expected[k] - BYTE_OFFSET
+    earlier = [t - BYTE_OFFSET for t in expected[:k]]
+    if 32 <= byte < 127 and byte not in earlier:
+      return k, chr(byte)
+  return None
+
+
+def test_a_stop_string_cuts_the_text_keeps_the_tokens_and_is_the_stop_reason(llm, greedy):
+  for start in range(40, 120, 7):
+    prompt = [start, start + 1]
+    expected, _ = greedy(prompt, 12)
+    found = _ascii_stop(expected)
+    if found is not None and all(3 <= t < 259 for t in expected):
+      break
+  else:
+    pytest.skip("no prompt gives a printable stop byte")
+  k, stop = found
+  plain, kept = llm.generate(
+      [prompt, prompt],
+      [
+          SamplingParams(temperature=0.0, max_tokens=12, stop=[stop, "\x00never"]),
+          SamplingParams(temperature=0.0, max_tokens=12, stop=stop, include_stop_str_in_output=True),
+      ],
+  )
+  before = bytes(t - BYTE_OFFSET for t in expected[:k]).decode("utf-8", errors="replace")
+  for out, text in ((plain, before), (kept, before + stop)):
+    completion = out.outputs[0]
+    assert completion.token_ids == expected[: k + 1]  # the token that completed the stop string is kept
+    assert completion.text == text
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+  assert kv_cache_checks.all_free(llm.engine.manager)
+
+
+def test_n_sequences_of_a_seeded_request_are_seed_plus_index(llm):
+  params = SamplingParams(n=3, seed=11, max_tokens=5, temperature=0.8)
+  out = llm.generate([[20, 21, 22]], params)[0]
+  assert [c.index for c in out.outputs] == [0, 1, 2]
+  for i, completion in enumerate(out.outputs):
+    alone = llm.generate([[20, 21, 22]], SamplingParams(seed=11 + i, max_tokens=5, temperature=0.8))[0]
+    assert completion.token_ids == alone.outputs[0].token_ids
+  assert out.metrics.num_generation_tokens == sum(len(c.token_ids) for c in out.outputs)
+  assert out.finished and out.prompt_logprobs is None
+
+
+def test_dict_prompts_and_token_lists_are_vllms_forms(llm, greedy):
+  params = SamplingParams(temperature=0.0, max_tokens=3)
+  by_dict = llm.generate([{"prompt_token_ids": [7, 8, 9]}, {"prompt": "ab"}], params)
+  assert by_dict[0].outputs[0].token_ids == greedy([7, 8, 9], 3)[0]
+  assert by_dict[1].prompt == "ab" and by_dict[1].prompt_token_ids == _byte_ids("ab")
+  assert llm.generate({"prompt_token_ids": [7, 8, 9]}, params)[0].outputs[0].token_ids == greedy([7, 8, 9], 3)[0]
+  with pytest.raises(TypeError, match=r'prompts\[0\] must be \{"prompt": text\} or \{"prompt_token_ids": ids\}'):
+    llm.generate([{"text": "x"}], params)
+  with pytest.raises(NotImplementedError, match=r"prompts\[0\]: multi_modal_data \(multimodal inputs\) is not"):
+    llm.generate([{"prompt": "x", "multi_modal_data": {}}], params)
+  with pytest.raises(NotImplementedError, match=r"LLM.generate: lora_request \(LoRA adapters\) is not supported"):
+    llm.generate("x", params, lora_request=object())
+  with pytest.raises(TypeError, match="unexpected keyword argument 'beam_width'"):
+    llm.generate("x", params, beam_width=2)
+
+
+def test_max_tokens_none_runs_to_max_target_length(llm):
+  out = llm.generate([list(range(3, 23))], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0]
+  assert len(out.outputs[0].token_ids) == OVERRIDES["max_target_length"] - 20
+  assert out.outputs[0].finish_reason == "length"
+
+
+def test_penalties_change_the_greedy_pick_as_vllm_defines_them(llm, greedy):
+  prompt = [60, 61, 62]
+  expected, rows = greedy(prompt, 2)
+  # A presence penalty of 2 lowers the first token's logit by 2 at the second step, once it is in the output.
+  out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, presence_penalty=2.0))[0]
+  second = rows[1].copy()  # log-softmax differs from the logits by a constant per row: the argmax is the same
+  second[expected[0]] -= 2.0
+  assert out.outputs[0].token_ids == [expected[0], int(np.argmax(second))]
+
+
+def test_llm_takes_vllms_model_argument(tmp_path):
+  assert llm_module.model_keys("qwen3-tiny") == {"model_name": "qwen3-tiny"}
+  assert llm_module.model_keys(str(tmp_path)) == {"hf_model_path": str(tmp_path)}
+  assert llm_module.model_keys("m.gguf") == {"gguf_model_path": "m.gguf"}
+  with pytest.raises(ValueError, match="LLM\\(model=...\\) is empty"):
+    llm_module.model_keys("")
+  with pytest.raises(NotImplementedError, match=r"LLM: enable_lora \(LoRA adapters\) is not supported"):
+    LLM("qwen3-tiny", enable_lora=True)
+  small = LLM(model="qwen3-tiny", max_model_len=24, max_num_seqs=2, num_kv_blocks=16, block_size=4)
+  assert (small.cfg.model_name, small.cfg.max_target_length) == ("qwen3-tiny", 24)
+  assert small.get_tokenizer() is small.tokenizer

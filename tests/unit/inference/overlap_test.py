@@ -68,10 +68,10 @@ def _workload(engine, stop_token=None):
   """Four greedy requests of different lengths; the third stops at `stop_token` (when given)."""
   prompts = _prompts(3, (9, 5, 12, 7))
   params = [
-      SamplingParams(max_tokens=14),
-      SamplingParams(max_tokens=3),
-      SamplingParams(max_tokens=14, stop_token_ids=[] if stop_token is None else [stop_token]),
-      SamplingParams(max_tokens=9),
+      SamplingParams(temperature=0.0, max_tokens=14),
+      SamplingParams(temperature=0.0, max_tokens=3),
+      SamplingParams(temperature=0.0, max_tokens=14, stop_token_ids=[] if stop_token is None else [stop_token]),
+      SamplingParams(temperature=0.0, max_tokens=9),
   ]
   return [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
 
@@ -96,13 +96,13 @@ def test_overlapped_steps_give_the_tokens_and_books_of_steps_one_after_the_other
 def test_a_request_that_stops_alone_leaves_a_step_ahead_that_the_next_step_drops():
   off, on = _engine("llama-tiny", False), _engine("llama-tiny", True)
   prompt = _prompts(5, (6,))[0]
-  reference = _run_one(off, prompt, SamplingParams(max_tokens=12))
-  stop = SamplingParams(max_tokens=12, stop_token_ids=[reference[3]])
+  reference = _run_one(off, prompt, SamplingParams(temperature=0.0, max_tokens=12))
+  stop = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[reference[3]])
   tokens = _run_one(on, prompt, stop)
   assert tokens == _run_one(off, prompt, stop) and len(tokens) < 12
   assert on._ahead is not None  # pylint: disable=protected-access  # planned before the stop token was seen
   # The next call drops it and runs the new request from its own schedule.
-  assert _run_one(on, prompt, SamplingParams(max_tokens=12)) == reference
+  assert _run_one(on, prompt, SamplingParams(temperature=0.0, max_tokens=12)) == reference
   assert kv_cache_checks.all_free(on.manager)
 
 
@@ -133,12 +133,12 @@ def test_an_abort_while_a_step_ahead_is_in_flight_drops_only_that_request():
 def test_a_request_added_while_a_step_ahead_is_in_flight_gets_its_solo_tokens():
   on = _engine("gemma3-tiny", True)
   late_prompt = _prompts(7, (10,))[0]
-  alone = _run_one(on, late_prompt, SamplingParams(max_tokens=8))
+  alone = _run_one(on, late_prompt, SamplingParams(temperature=0.0, max_tokens=8))
   ids = _workload(on)
   done = {}
   while not on._ahead:  # pylint: disable=protected-access
     _step(on, done)
-  late = on.add_request(late_prompt, SamplingParams(max_tokens=8))
+  late = on.add_request(late_prompt, SamplingParams(temperature=0.0, max_tokens=8))
   done.update(_run(on))
   assert done[late].output_token_ids == alone
   assert all(done[rid].finish_reason == "length" for rid in ids)
@@ -196,7 +196,7 @@ def test_a_failed_finite_check_drops_the_step_planned_ahead(monkeypatch):
 
 def test_a_batch_planned_ahead_leaves_the_fed_back_tokens_to_the_program():
   engine = _engine("llama-tiny", False)
-  ids = [engine.add_request(p, SamplingParams(max_tokens=10)) for p in _prompts(9, (3, 4))]
+  ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=10)) for p in _prompts(9, (3, 4))]
   done = {}
   _step(engine, done)  # both prefills, each sampling its first token: both decode next
   out = engine.scheduler.schedule()  # the decodes, allocated: plan the step after them

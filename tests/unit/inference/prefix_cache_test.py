@@ -61,7 +61,7 @@ class Driver:
 
   def add(self, rid, prompt, max_tokens=3):
     """Queues a request now."""
-    request = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens))
+    request = Request(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens))
     self.scheduler.add_request(request)
     self.requests.append(request)
     return request

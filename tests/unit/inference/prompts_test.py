@@ -15,6 +15,7 @@ from maxtext.inference import prompts
         ([1, 2], [[1, 2]]),
         ((np.int64(5),), [(np.int64(5),)]),
         (["a", [1]], ["a", [1]]),
+        ({"prompt": "a"}, [{"prompt": "a"}]),
         ([], []),
     ],
 )
@@ -30,11 +31,13 @@ def test_normalize_prompts(given, expected):
         (None, r"got NoneType None"),
         (123, r"got int 123"),
         (1.5, r"got float 1.5"),
-        ({"a": 1}, r"got dict"),
+        ({1, 2}, r"got set"),
     ],
 )
 def test_normalize_prompts_rejects_other_types(given, match):
-  with pytest.raises(TypeError, match=r"prompts must be a string, a list of token ids, or a list of those; " + match):
+  with pytest.raises(
+      TypeError, match=r"prompts must be a string, a list of token ids, a dict prompt, or a list of those; " + match
+  ):
     prompts.normalize_prompts(given)
 
 
@@ -79,14 +82,18 @@ def fixture_llm():
         ("", ValueError, r"prompts\[0\] is empty; a prompt needs at least one character"),
         (["ok", ""], ValueError, r"prompts\[1\] is empty"),
         ("bad\udcff", ValueError, r"prompts\[0\] is not valid UTF-8 text: byte 0xff at character 3"),
-        (123, TypeError, r"prompts must be a string, a list of token ids, or a list of those; got int 123"),
+        (
+            123,
+            TypeError,
+            r"prompts must be a string, a list of token ids, a dict prompt, or a list of those; got int 123",
+        ),
         (None, TypeError, r"prompts must be .*; got NoneType None"),
         (b"abc", TypeError, r"prompts must be .*; got bytes"),
     ],
 )
 def test_generate_rejects_bad_prompts_and_queues_nothing(llm, given, error, match):
   with pytest.raises(error, match=match):
-    llm.generate(given, SamplingParams(max_tokens=1))
+    llm.generate(given, SamplingParams(temperature=0.0, max_tokens=1))
   assert not llm.engine.has_unfinished_requests() and kv_cache_checks.all_free(llm.engine.manager)
 
 
@@ -94,7 +101,7 @@ def test_generate_rejects_bad_prompts_and_queues_nothing(llm, given, error, matc
     "params, match",
     [
         ({"max_tokens": 2}, r"sampling_params must be a SamplingParams or a list of them, got dict"),
-        ([SamplingParams(), "greedy"], r"sampling_params\[1\] must be a SamplingParams, got str"),
+        ([SamplingParams(temperature=0.0), "greedy"], r"sampling_params\[1\] must be a SamplingParams, got str"),
     ],
 )
 def test_generate_rejects_bad_sampling_params(llm, params, match):
@@ -104,14 +111,14 @@ def test_generate_rejects_bad_sampling_params(llm, params, match):
 
 def test_max_tokens_beyond_max_target_length_stops_there_with_reason_length(llm):
   # This prompt's greedy continuation never samples eos (token 2) within the 28 tokens left by max_target_length.
-  (out,) = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=10**8))
+  (out,) = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=10**8))
   completion = out.outputs[0]
   assert (len(completion.token_ids), completion.finish_reason) == (28, "length")
   assert kv_cache_checks.all_free(llm.engine.manager)
 
 
 def test_numpy_token_ids_are_accepted_as_python_ints(llm):
-  (a,) = llm.generate([np.array([5, 6, 7]).tolist()], SamplingParams(max_tokens=2))
-  (b,) = llm.generate([[np.int64(5), np.int32(6), np.uint8(7)]], SamplingParams(max_tokens=2))
+  (a,) = llm.generate([np.array([5, 6, 7]).tolist()], SamplingParams(temperature=0.0, max_tokens=2))
+  (b,) = llm.generate([[np.int64(5), np.int32(6), np.uint8(7)]], SamplingParams(temperature=0.0, max_tokens=2))
   assert a.outputs[0].token_ids == b.outputs[0].token_ids
   assert all(isinstance(t, int) for t in b.prompt_token_ids)

@@ -7,7 +7,7 @@ from maxtext.inference.request import Request, RequestStatus
 
 
 def test_token_counts():
-  request = Request("r", [5, 6, 7], SamplingParams(max_tokens=4))
+  request = Request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4))
   assert request.prompt_token_ids == (5, 6, 7)
   assert (request.num_prompt_tokens, request.num_tokens, request.num_remaining_tokens) == (3, 3, 3)
   assert request.status == RequestStatus.WAITING and not request.is_finished

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from maxtext.inference import SamplingParams
-from maxtext.inference.sampler import Sampler, filtered_probs
+from maxtext.inference.sampler import Sampler, TokenHistory, filtered_probs, processed_logits
 
 
 def _reference_kept(logits, temperature, top_k, top_p):
@@ -38,7 +38,7 @@ def _reference_logprobs(logits):
 
 def test_greedy_takes_the_argmax_and_the_lowest_id_on_ties():
   logits = np.array([[1.0, 3.0, 3.0, 0.0], [0.0, -1.0, 2.0, 5.0]])
-  out = Sampler().sample(logits, [SamplingParams(), SamplingParams(seed=3)], [0, 4])
+  out = Sampler().sample(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, seed=3)], [0, 4])
   np.testing.assert_array_equal(out.token_ids, [1, 3])
   assert out.logprobs == (None, None)
 
@@ -94,7 +94,7 @@ def test_unseeded_requests_follow_the_sampler_seed(np_rng):
 
 def test_logprobs_come_from_the_raw_logits(np_rng):
   logits = np_rng.normal(size=(2, 10)) * 3.0
-  params = [SamplingParams(temperature=0.5, seed=1, logprobs=3), SamplingParams(logprobs=0)]
+  params = [SamplingParams(temperature=0.5, seed=1, logprobs=3), SamplingParams(temperature=0.0, logprobs=0)]
   out = Sampler().sample(jnp.asarray(logits, jnp.float32), params, [0, 0])
   rows = np.asarray(jnp.asarray(logits, jnp.float32), np.float64)
   for i, result in enumerate(out.logprobs):
@@ -110,8 +110,44 @@ def test_logprobs_come_from_the_raw_logits(np_rng):
 def test_errors():
   sampler = Sampler()
   with pytest.raises(ValueError, match=r"logits must have shape \[R, V\], got \(4,\)"):
-    sampler.sample(np.zeros(4), [SamplingParams()], [0])
+    sampler.sample(np.zeros(4), [SamplingParams(temperature=0.0)], [0])
   with pytest.raises(ValueError, match="4 rows, 1 params, 4 step indices"):
-    sampler.sample(np.zeros((4, 3)), [SamplingParams()], [0] * 4)
+    sampler.sample(np.zeros((4, 3)), [SamplingParams(temperature=0.0)], [0] * 4)
   with pytest.raises(ValueError, match="logits row 1 holds non-finite values"):
-    sampler.sample(np.array([[0.0, 1.0], [np.nan, 0.0]]), [SamplingParams()] * 2, [0, 0])
+    sampler.sample(np.array([[0.0, 1.0], [np.nan, 0.0]]), [SamplingParams(temperature=0.0)] * 2, [0, 0])
+
+
+def test_penalties_follow_vllms_definitions_on_hand_computed_logits():
+  logits = np.array([[2.0, -1.0, 0.5, 3.0]])
+  history = TokenHistory(prompt_token_ids=[1], output_token_ids=[3, 3, 2])
+  params = SamplingParams(
+      temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, logprobs=1
+  )
+  # repetition (tokens 1, 2, 3 seen): -1 * 2, 0.5 / 2, 3 / 2; frequency (counts 0, 0, 1, 2) and presence on top.
+  want = [2.0, -2.0, 0.25 - 0.5 - 0.25, 1.5 - 1.0 - 0.25]
+  np.testing.assert_allclose(processed_logits(logits[0], params, history, ()), want)
+  out = Sampler().sample(logits, [params], [3], [history])
+  assert out.token_ids.tolist() == [0]  # 3 without the penalties
+  assert out.logprobs[0].rank == 2  # ranked under the raw logits, where token 3 leads
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_unless_eos_is_ignored():
+  logits = np.array([[5.0, 1.0, 4.0, 0.0]])
+  history = TokenHistory([1], [3])  # one token generated
+  masked = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2])
+  assert Sampler(eos_token_id=0).sample(logits, [masked], [1], [history]).token_ids.tolist() == [1]
+  ignored = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2], ignore_eos=True)
+  assert Sampler(eos_token_id=0).sample(logits, [ignored], [1], [history]).token_ids.tolist() == [0]
+  done = TokenHistory([1], [3, 3])  # min_tokens reached: nothing is masked
+  assert Sampler(eos_token_id=0).sample(logits, [masked], [2], [done]).token_ids.tolist() == [0]
+  with pytest.raises(ValueError, match="need the request's token history"):
+    Sampler().sample(logits, [masked], [1])
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_best():
+  probs = np.array([0.5, 0.3, 0.15, 0.05])
+  ids, kept = filtered_probs(np.log(probs), SamplingParams(temperature=1.0, min_p=0.2))
+  assert ids.tolist() == [0, 1, 2]  # 0.05 < 0.2 * 0.5
+  np.testing.assert_allclose(kept, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95])
+  ids, _ = filtered_probs(np.log(probs), SamplingParams(temperature=1.0, min_p=0.2, top_k=2))
+  assert ids.tolist() == [0, 1]

@@ -23,7 +23,9 @@ def _random_requests(rng, count, max_prompt, max_new):
   requests = []
   for i in range(count):
     prompt = rng.integers(3, 259, size=int(rng.integers(1, max_prompt + 1))).tolist()
-    requests.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=int(rng.integers(1, max_new + 1)))))
+    requests.append(
+        Request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, max_new + 1))))
+    )
   return requests
 
 
@@ -57,7 +59,7 @@ def test_decodes_first_then_running_prefills_then_waiting(configs, make_specs):
 
 def test_chunked_prefill_samples_only_when_the_prompt_is_done(configs, make_specs):
   scheduler = _scheduler(configs["llama"](max_num_batched_tokens=8), make_specs)
-  request = Request("a", list(range(3, 23)), SamplingParams(max_tokens=2))
+  request = Request("a", list(range(3, 23)), SamplingParams(temperature=0.0, max_tokens=2))
   scheduler.add_request(request)
   plans = []
   for token in (None, None, 11, 12):
@@ -71,7 +73,7 @@ def test_chunked_prefill_samples_only_when_the_prompt_is_done(configs, make_spec
 
 def test_max_num_seqs_limits_running_requests(configs, run, reference):
   cfg = configs["llama"](max_num_seqs=2, max_num_batched_tokens=64)
-  requests = [Request(f"r{i}", [10 + i] * 4, SamplingParams(max_tokens=3)) for i in range(3)]
+  requests = [Request(f"r{i}", [10 + i] * 4, SamplingParams(temperature=0.0, max_tokens=3)) for i in range(3)]
   outputs, running_before, manager = run(cfg, requests)
   assert _plan(outputs[0]) == [("r0", 4), ("r1", 4)]
   assert max(len(r) for r in running_before) == 2
@@ -84,7 +86,8 @@ def test_preemption_takes_the_newest_and_every_request_completes(configs, run, r
   cfg = configs[model](block_size=4, num_kv_blocks=9, max_num_batched_tokens=16, max_num_seqs=4)
   rng = np.random.default_rng(7)
   requests = [
-      Request(f"r{i}", rng.integers(3, 259, size=6 + i).tolist(), SamplingParams(max_tokens=12)) for i in range(4)
+      Request(f"r{i}", rng.integers(3, 259, size=6 + i).tolist(), SamplingParams(temperature=0.0, max_tokens=12))
+      for i in range(4)
   ]
   outputs, running_before, manager = run(cfg, requests)
   preempting = [(out, before) for out, before in zip(outputs, running_before) if out.preempted_request_ids]
@@ -116,7 +119,7 @@ def test_random_workloads_match_the_reference_and_leak_nothing(configs, run, ref
     params = request.sampling_params
     expected, _ = reference(request.prompt_token_ids, params, cfg.max_target_length, model == "qwen3_next")
     stop = (expected[int(rng.integers(0, len(expected)))],)
-    request.sampling_params = SamplingParams(max_tokens=params.max_tokens, stop_token_ids=stop)
+    request.sampling_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, stop_token_ids=stop)
   # 2 state slots for 3 sequences: admission also waits for slots (even seeds); 3 slots: only blocks limit.
   outputs, _, manager = run(cfg, requests, num_state_slots=3 + seed % 2)
   assert any(out.preempted_request_ids for out in outputs), "the pool is small enough to force preemption"
@@ -127,8 +130,8 @@ def test_random_workloads_match_the_reference_and_leak_nothing(configs, run, ref
 def test_waiting_request_waits_for_blocks(configs, run, reference):
   cfg = configs["llama"](block_size=4, num_kv_blocks=5, max_num_batched_tokens=32)
   requests = [
-      Request("a", list(range(3, 15)), SamplingParams(max_tokens=4)),
-      Request("b", list(range(3, 11)), SamplingParams(max_tokens=4)),
+      Request("a", list(range(3, 15)), SamplingParams(temperature=0.0, max_tokens=4)),
+      Request("b", list(range(3, 11)), SamplingParams(temperature=0.0, max_tokens=4)),
   ]
   outputs, _, manager = run(cfg, requests)
   assert _plan(outputs[0]) == [("a", 12)] and not outputs[0].preempted_request_ids
@@ -141,11 +144,11 @@ def test_waiting_request_waits_for_blocks(configs, run, reference):
 def test_finish_reasons(configs, run, reference):
   cfg = configs["llama"](max_target_length=8)
   prompt = [3, 4, 5, 6, 7]
-  first, _ = reference(prompt, SamplingParams(max_tokens=1), 8, False)
+  first, _ = reference(prompt, SamplingParams(temperature=0.0, max_tokens=1), 8, False)
   requests = [
-      Request("stop", prompt, SamplingParams(stop_token_ids=(first[0],))),
-      Request("length", prompt, SamplingParams(max_tokens=100)),
-      Request("max_tokens", prompt, SamplingParams(max_tokens=2)),
+      Request("stop", prompt, SamplingParams(temperature=0.0, stop_token_ids=(first[0],))),
+      Request("length", prompt, SamplingParams(temperature=0.0, max_tokens=100)),
+      Request("max_tokens", prompt, SamplingParams(temperature=0.0, max_tokens=2)),
   ]
   run(cfg, requests)
   assert [(r.finish_reason, len(r.output_token_ids)) for r in requests] == [("stop", 1), ("length", 3), ("length", 2)]
@@ -166,8 +169,8 @@ def test_add_request_validation(configs, make_specs):
   with pytest.raises(ValueError, match="the prompt has 16 tokens but must be shorter than max_target_length=16"):
     scheduler.add_request(Request("long", [5] * 16))
   with pytest.raises(ValueError, match="request 'big': 14 tokens need 4 blocks in group 0"):
-    scheduler.add_request(Request("big", [5] * 10, SamplingParams(max_tokens=5)))
-  scheduler.add_request(Request("ok", [np.int64(5)] * 12, SamplingParams(max_tokens=1)))
+    scheduler.add_request(Request("big", [5] * 10, SamplingParams(temperature=0.0, max_tokens=5)))
+  scheduler.add_request(Request("ok", [np.int64(5)] * 12, SamplingParams(temperature=0.0, max_tokens=1)))
   with pytest.raises(ValueError, match="request 'ok': an unfinished request with this id already exists"):
     scheduler.add_request(Request("ok", [5]))
   used = Request("used", [5], output_token_ids=[6])
@@ -196,8 +199,8 @@ def test_request_that_can_never_fit_raises_instead_of_looping(configs, make_spec
 def test_state_slots_are_reported_for_zeroing(configs, make_specs):
   scheduler = _scheduler(configs["qwen3_next"](), make_specs)
   manager = scheduler.kv_cache_manager
-  scheduler.add_request(Request("a", [5, 6], SamplingParams(max_tokens=1)))
-  scheduler.add_request(Request("b", [7, 8], SamplingParams(max_tokens=2)))
+  scheduler.add_request(Request("a", [5, 6], SamplingParams(temperature=0.0, max_tokens=1)))
+  scheduler.add_request(Request("b", [7, 8], SamplingParams(temperature=0.0, max_tokens=2)))
   out = scheduler.schedule()
   assert (manager.get_state_slot("a"), manager.get_state_slot("b"), out.slots_to_zero) == (1, 2, ())
   finished = scheduler.update_from_output(out, {"a": 9, "b": 10})

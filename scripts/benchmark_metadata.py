@@ -36,7 +36,8 @@ from support.benchmark_cli import add_output_flags, emit, positive_int
 from maxtext.checkpoint import load_run_config
 from maxtext.inference import SamplingParams
 from maxtext.inference.batch import build_batch
-from maxtext.inference.engine import LLMEngine, make_attention_metadata, metadata_positions
+from maxtext.inference.engine import LLMEngine
+from maxtext.inference.engine_programs import make_attention_metadata, metadata_positions
 from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
 
 MODES = ("grouped", "per_layer")

@@ -130,7 +130,7 @@ class Settings:
     group what a decoding request keeps there (sliding-window groups only their window's blocks), plus the null
     block: the cache a server of these limits needs."""
     # pylint: disable=import-outside-toplevel
-    from maxtext.inference.engine import make_kv_cache_manager
+    from maxtext.inference.engine_build import make_kv_cache_manager
     from maxtext.inference.kv_cache_capacity import request_blocks
 
     manager = make_kv_cache_manager(self.run_config(model, chips))

@@ -20,7 +20,7 @@ from maxtext.checkpoint import load_run_config
 from maxtext.configs.errors import MissingDependencyError
 from maxtext.inference import kv_cache_capacity, memory_budget
 from maxtext.inference import prompts as prompt_checks
-from maxtext.inference.engine import make_kv_cache_manager
+from maxtext.inference.engine_build import make_kv_cache_manager
 from maxtext.inference.llm import LLM, RequestOutput
 from maxtext.inference.prompts_file import FilePrompt, read_prompts_file
 from maxtext.inference.sampling_params import SamplingParams

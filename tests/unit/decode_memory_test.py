@@ -86,7 +86,7 @@ def test_the_8b_shape_config_is_refused_before_any_weight_is_built(tmp_path):
       "maxtext-decode: error: model_name=llama3.1-8b needs 30.99 GiB (parameters 29.92 GiB: float32, random, no"
       " checkpoint; KV caches 1.00 GiB; activations 75.83 MiB) but "
   ), line
-  assert "use weight_dtype=bfloat16 (parameters 14.96 GiB)" in line
+  # Whether bfloat16 is offered depends on the memory free at the time (memory_budget_test pins the advice).
   # Building the weights would hold about 30 GiB; the refusal holds only what the interpreter and JAX take. Its time
   # (about 1.5 s on an idle machine) is measured, not asserted: the tests share the cores.
   del seconds

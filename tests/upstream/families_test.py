@@ -37,7 +37,7 @@ def _replica(folder: str, **overrides) -> dict:
   """What this package's reference runner decides for the same model and engine settings."""
   # pylint: disable=import-outside-toplevel  # imported in the test process, after the tier's environment is set
   from maxtext.checkpoint import load_run_config
-  from maxtext.inference.engine import make_kv_cache_manager
+  from maxtext.inference.engine_build import make_kv_cache_manager
 
   engine = {**cases.ENGINE, **overrides.pop("engine", {})}
   cfg = load_run_config(

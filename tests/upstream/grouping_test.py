@@ -64,7 +64,7 @@ _CASES += [(case, {}) for case in cases.LONG]
 def test_the_replicas_groups_are_vllms(case, overrides, references):
   # pylint: disable=import-outside-toplevel  # see above
   from maxtext.checkpoint import load_run_config
-  from maxtext.inference.engine import make_kv_cache_manager
+  from maxtext.inference.engine_build import make_kv_cache_manager
 
   cfg = load_run_config(hf_model_path=references[case]["folder"], kernel_backend="reference", **overrides)
   manager = make_kv_cache_manager(cfg)

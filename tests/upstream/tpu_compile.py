@@ -299,7 +299,7 @@ def abstract_caches(overrides: Mapping[str, Any], mesh, block_size: int, num_blo
   from tpu_inference.runner.kv_cache import get_kv_cache_shape_with_mesh
 
   from maxtext.checkpoint.model_loader import load_run_config
-  from maxtext.inference.engine import make_kv_cache_manager
+  from maxtext.inference.engine_build import make_kv_cache_manager
 
   cfg = load_run_config(
       **overrides,

@@ -16,7 +16,7 @@ Layout (upstream contract; R = max_num_reqs = max(max_num_seqs, 8), P_g = cdiv(m
 padded_T is the smallest power of two >= T and >= the config's `min_token_bucket` (1 by default; tpu-inference's
 smallest is 16), at most max_num_batched_tokens rounded up to a power of two; padded_num_reqs the smallest power
 of two >= the request count, at least 8, capped at R. Logits are computed only for the requests that sample, their
-rows padded to a power of two (`engine.sampling_logits_indices`).
+rows padded to a power of two (`engine_programs.sampling_logits_indices`).
 """
 
 from __future__ import annotations

@@ -13,28 +13,28 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import nnx
 
-from maxtext.checkpoint import weight_cache
-from maxtext.inference import compilation_cache, memory_budget, step_programs
-from maxtext.inference.batch import BatchInputs, build_batch, next_power_of_two, padded_num_tokens
-from maxtext.inference.kv_cache_manager import KVCacheManager, max_num_reqs
+from maxtext.causal_lm import CausalLM
+from maxtext.inference import compilation_cache, memory_budget
+from maxtext.inference.batch import BatchInputs, build_batch, next_power_of_two
+from maxtext.inference.engine_build import EngineWeights, make_kv_cache_manager, with_default_kernel_backend
+from maxtext.inference.engine_programs import (
+    EnginePrograms,
+    no_previous_tokens,
+    sampling_logits_indices,
+    step_inputs,
+)
 from maxtext.inference.prompts import num_generatable_tokens
 from maxtext.inference.request import FINISH_STOP, Request, RequestStatus
 from maxtext.inference.sampler import Sampler, TokenHistory, TokenLogprobs
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from maxtext.kv_cache import kv_cache_spec
-from maxtext.causal_lm import CausalLM
-from maxtext.kernels.attention_metadata import AttentionMetadata, GroupedAttentionMetadata
-from maxtext.kernels.backend import device_default_name
 from maxtext.models import sharding
 
 logger = logging.getLogger(__name__)
@@ -111,24 +111,6 @@ class _DispatchedStep:
   rows: tuple[int, ...] | None
 
 
-_NO_PREVIOUS_TOKENS: dict[int, np.ndarray] = {}
-
-
-def _no_previous_tokens(num_rows: int) -> tuple[np.ndarray, np.int32]:
-  """The previous-token inputs of a greedy step that takes none: `num_rows` zeros (the shape of its own token
-  output, so every step of a bucket has one signature) and a count of 0."""
-  if num_rows not in _NO_PREVIOUS_TOKENS:
-    _NO_PREVIOUS_TOKENS[num_rows] = np.zeros((num_rows,), np.int32)
-  return _NO_PREVIOUS_TOKENS[num_rows], np.int32(0)
-
-
-def _step_inputs(leaves: Sequence[Any], kv_caches: Sequence[Any], batch: BatchInputs) -> tuple[Any, ...]:
-  """A step program's leading arguments for `batch`: the parameters' leaves, the caches, the token ids, the
-  attention metadata (host arrays) and the positions."""
-  metadata = make_attention_metadata(batch, on_device=False)
-  return (leaves, kv_caches, batch.input_ids, metadata, metadata_positions(metadata))
-
-
 def _decode_plan(
     scheduled: Sequence[ScheduledRequest], num_computed_tokens: dict[str, int], sampling_request_ids: Sequence[str]
 ) -> SchedulerOutput:
@@ -141,44 +123,6 @@ def _decode_plan(
       preempted_request_ids=(),
       slots_to_zero=(),
   )
-
-
-def _to_device(value: Any) -> Any:
-  return None if value is None else jnp.asarray(value)
-
-
-def make_attention_metadata(
-    batch: BatchInputs, *, on_device: bool = True
-) -> AttentionMetadata | GroupedAttentionMetadata:
-  """The step's metadata: one `AttentionMetadata`, or a grouped mapping when there is more than one group.
-
-  Args:
-    batch: the step's inputs.
-    on_device: put every array on the device; False keeps the NumPy arrays, for a jitted call to transfer
-      (its C++ dispatch moves them in one pass, cheaper than one `jnp.asarray` per array).
-  """
-  convert = _to_device if on_device else (lambda value: value)
-  groups = [
-      AttentionMetadata(**{k: v if k == "padded_num_reqs" else convert(v) for k, v in fields.items()})
-      for fields in batch.metadata_fields()
-  ]
-  if len(groups) == 1:
-    return groups[0]
-  return GroupedAttentionMetadata(groups, batch.layer_names_per_group)
-
-
-def make_kv_cache_manager(cfg: ml_collections.FrozenConfigDict) -> KVCacheManager:
-  """The KV-cache manager for the caches the model of `cfg` asks for (its per-layer specs and KV sharing)."""
-  return KVCacheManager(cfg, kv_cache_spec.get_kv_cache_specs(cfg), kv_cache_spec.get_shared_kv_cache_layers(cfg))
-
-
-def _with_default_kernel_backend(
-    cfg: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh
-) -> ml_collections.FrozenConfigDict:
-  """`cfg` with `kernel_backend` set: the device's default (`cpu` on one CPU device, else `reference`) when empty."""
-  if cfg.kernel_backend:
-    return cfg
-  return ml_collections.FrozenConfigDict(dict(cfg.as_configdict().to_dict(), kernel_backend=device_default_name(mesh)))
 
 
 class LLMEngine:
@@ -203,11 +147,12 @@ class LLMEngine:
   def __init__(self, cfg: ml_collections.FrozenConfigDict, *, eos_token_id: int | None = None):
     self.compilation_cache_dir = compilation_cache.configure(cfg.compilation_cache_dir)
     self.mesh = sharding.make_mesh(cfg)
-    self.cfg = cfg = _with_default_kernel_backend(cfg, self.mesh)
+    self.cfg = cfg = with_default_kernel_backend(cfg, self.mesh)
     # Host memory only: on a CPU mesh the parameters and caches live in this process's memory; a TPU's are not.
     self.memory_need = memory_budget.check_fits(cfg) if all(d.platform == "cpu" for d in self.mesh.devices.flat) else None
     rng_key = jax.random.key(cfg.init_seed)
-    self.model = CausalLM.from_config(cfg, rng_key, self.mesh)  # the model's keys only
+    self.weights = EngineWeights(cfg, CausalLM.from_config(cfg, rng_key, self.mesh))  # the model's keys only
+    self.backend = self.weights.backend
     self.manager = make_kv_cache_manager(cfg)
     self.layer_map = self.manager.layer_name_to_kvcache_index
     self.recurrent_slots = self.manager.recurrent_slot_indices
@@ -219,259 +164,40 @@ class LLMEngine:
     # request id -> token sampled for it by the last `step` (read by streaming callers).
     self.last_sampled: dict[str, int] = {}
     self._next_id = 0
-    self.backend = self.model.backend
-    graphdef, state = self._prepared_structure()
-    # The jitted calls take the parameters as a flat list: flattening the nnx State (its Variables) in Python on
-    # every call costs milliseconds per step, a list of arrays goes through the C++ dispatch path.
-    self._state_leaves, state_def = jax.tree_util.tree_flatten(state)
-    self._init_step_programs(step_programs.make_step_functions(graphdef, state_def, self._count_trace))
-    self._start_background_compile()
-    self.kv_caches = self.model.shard_kv_caches(self.manager.allocate_caches())
+    self.programs = EnginePrograms(
+        cfg, self.mesh, self.compilation_cache_dir, self.weights, self.manager, lambda: self.kv_caches, self._count_trace
+    )
+    self.programs.start_background_compile(self.manager.cache_shapes())
+    self.kv_caches = self.weights.model.shard_kv_caches(self.manager.allocate_caches())
     self._zero_slots([])  # compiles the zeroing program now (no row is written), not in the first request's path
-    self.weights_from_cache = False
-    if not self.model.is_dummy:
-      self._load_prepared_weights(rng_key, graphdef, state_def)
-    else:
-      self.state = state
-    # The backend's work on the weights' memory (`place_params`; the cpu backend's 2 MiB pages: a decode step reads
-    # every weight) runs in a thread started when the first step has run: running it while the first programs
-    # compile (the background decode step, the first prefill) would take a core from those compiles and delay the
-    # first call. Steps run meanwhile, a little slower until it is done. `placed_bytes` is None until then.
-    self.placed_bytes: int | None = None
-    self._placing: threading.Thread | None = None
-    self._placing_copies: threading.Thread | None = None  # places the copies of cached weights (a daemon)
-    self._placing_pending = True
-    self._copied_leaves: list[Any] | None = None  # cached weights copied by the placing thread, not yet adopted
-    self._state_def = state_def
+    if not self.weights.model.is_dummy:
+      self.weights.load(rng_key)
+    # A greedy decode step dispatched before the previous step's tokens reached the host, with its plan.
+    self._ahead: _DispatchedStep | None = None
+    self.overlap_decode_steps = bool(cfg.overlap_decode_steps)
+
+  @property
+  def model(self) -> CausalLM:
+    """The model, over the arrays the steps read."""
+    return self.weights.model
+
+  @property
+  def prepared_bytes(self) -> int:
+    """The bytes the kernel backend re-laid (`prepare_params`)."""
+    return self.weights.prepared_bytes
+
+  @property
+  def placed_bytes(self) -> int | None:
+    """The bytes the kernel backend placed (`place_params`), None until its thread has run."""
+    return self.weights.placed_bytes
+
+  @property
+  def weights_from_cache(self) -> bool:
+    """Whether the prepared weights came from the weight cache."""
+    return self.weights.from_cache
 
   def _count_trace(self) -> None:
     self.stats.step_traces += 1
-
-  def _prepared_structure(self) -> tuple[Any, Any]:
-    """The model's structure (graphdef, state) in the backend's layout (`prepare_params`), which the step programs
-    are built for; sets `prepared_bytes` (the bytes re-laid, 0 until the weights load).
-
-    A model with random weights is laid out now. A checkpoint's model is still abstract: its structure once
-    prepared comes from a copy, and loading fills the model in the checkpoint's layout (checked against it later).
-    """
-    self.prepared_bytes = self.backend.prepare_params(self.model) if self.model.is_dummy else 0
-    graphdef, state = nnx.split(self.model)
-    if not self.model.is_dummy:
-      structure = nnx.merge(graphdef, state, copy=True)
-      self.backend.prepare_params(structure)
-      graphdef, state = nnx.split(structure)
-    return graphdef, state
-
-  def _init_step_programs(self, fns: step_programs.StepFunctions) -> None:
-    """The step programs' bookkeeping: the runner's settings (kv_caches donated, the layer map static); a step
-    compiles with the options the backend asks for its size (`compiler_options`): one jitted function per distinct
-    set, traced per shape. Greedy steps without logprobs run the model and the argmax as one program
-    (`step_greedy`): one dispatch per step, and only the token ids come back to the host."""
-    self._jitted_steps = {"step": (fns.step, 5), "step_greedy": (fns.step_greedy, 8)}
-    self._programs: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
-    self._programs_lock = threading.Lock()  # the background compile asks for a program too
-    self._program_cache: step_programs.ProgramCache | bool | None = None  # False: off (`_step_program_cache`)
-    self._zero_rows = jax.jit(step_programs.zero_rows, donate_argnums=(0,))
-    self._zero_rows_bucket = next_power_of_two(max_num_reqs(self.cfg))
-    self._logits = jax.jit(fns.logits)
-    # A greedy decode step dispatched before the previous step's tokens reached the host, with its plan.
-    self._ahead: _DispatchedStep | None = None
-    self.overlap_decode_steps = bool(self.cfg.overlap_decode_steps)
-
-  def _start_background_compile(self) -> None:
-    """Loads the step programs (or compiles the one-request greedy decode step) in a thread while the caches are
-    allocated and the weights load: shapes are all it needs. Only for a checkpoint's model on one device."""
-    cfg = self.cfg
-    self._background_compile: threading.Thread | None = None
-    self._background_tokens = padded_num_tokens(1, int(cfg.max_num_batched_tokens), int(cfg.min_token_bucket))
-    if not (cfg.background_compile and not self.model.is_dummy and self.mesh.size == 1):
-      return
-    shapes = (
-        [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._state_leaves],
-        self.manager.cache_shapes(),
-    )
-    # Not a daemon: a process that exits (or fails to load the weights) while XLA compiles must wait for it, as
-    # the interpreter's shutdown would otherwise unwind the thread inside XLA's C++ and abort the process.
-    self._background_compile = threading.Thread(
-        target=self._compile_smallest_greedy_step, args=shapes, name="maxtext-compile", daemon=False
-    )
-    self._background_compile.start()
-
-  def _load_prepared_weights(self, rng_key: jax.Array, graphdef: Any, state_def: Any) -> None:
-    """Fills the model with its prepared parameters: from the weight cache when it holds them (`weight_cache`),
-    else from the checkpoint (loaded, then laid out by the backend), which is then stored there for the next start.
-
-    Raises:
-      RuntimeError: the loaded model's structure is not the one the step programs were built for.
-    """
-    entry = None
-    if not self.model.is_sharded:
-      entry = weight_cache.run_entry(self.cfg, self.backend, str(state_def), self._state_leaves)
-    cached = entry[0].load(entry[1]) if entry is not None else None
-    if cached is not None:
-      status.info("loading the prepared weights from %s", entry[0].folder)
-      # Read-only NumPy arrays over the entry's file mapping: JAX's CPU client uses their memory without a copy.
-      self._state_leaves = [jax.device_put(leaf) for leaf in cached.leaves]
-      self.state = jax.tree_util.tree_unflatten(state_def, self._state_leaves)
-      self.model = nnx.merge(graphdef, self.state)
-      self.prepared_bytes = int(cached.extra.get("prepared_bytes", 0))
-      self.weights_from_cache = True
-      return
-    status.info("loading and converting the weights (kept for the next start)" if entry else "loading the weights")
-    self.model.load_weights(rng_key)
-    self.prepared_bytes = self.backend.prepare_params(self.model)
-    loaded_graphdef, self.state = nnx.split(self.model)
-    self._state_leaves, loaded_def = jax.tree_util.tree_flatten(self.state)
-    if (loaded_graphdef, loaded_def) != (graphdef, state_def):
-      raise RuntimeError("loading the weights changed the model's structure; the step programs were built for it")
-    if entry is not None:
-      entry[0].store(entry[1], self._state_leaves, {"prepared_bytes": int(self.prepared_bytes)})
-
-  def _start_placing_params(self) -> None:
-    """Starts the backend's work on the weights' memory in a thread, once (none when the backend has none)."""
-    if not self._placing_pending:
-      return
-    self._placing_pending = False
-    work = self.backend.place_params(self._state_leaves)
-    if work is None:
-      return
-    # Placing alone is system calls, which a process may exit during. Copying cached weights calls into XLA, where
-    # the interpreter's shutdown would unwind the thread inside C++ and abort the process: the exit waits for it.
-    self._placing = threading.Thread(
-        target=self._place_params,
-        args=(None if self.weights_from_cache else work,),
-        name="maxtext-place-params",
-        daemon=not self.weights_from_cache,
-    )
-    self._placing.start()
-
-  def _place_params(self, work: Callable[[], int] | None) -> None:
-    """Runs the backend's `work` on the weights' memory; sets `placed_bytes`. Failures only log.
-
-    Without `work`, the weights are views of the weight cache's file mapping, pages the backend cannot move: they
-    are first copied into memory of this process (XLA calls: this thread is not a daemon, and stops copying once
-    the main thread has ended, so a short run's exit does not wait for copies nobody will read), adopted by the
-    next step (`_adopt_copied_weights`), and placed by a daemon thread (system calls only).
-    """
-    start = time.perf_counter()
-    try:
-      if work is None:
-        copies = []
-        for leaf in self._state_leaves:
-          if not threading.main_thread().is_alive():
-            return
-          copies.append(jax.device_put(np.array(leaf)))
-        work = self.backend.place_params(copies)
-        self._copied_leaves = copies
-        if work is not None:
-          self._placing_copies = threading.Thread(
-              target=self._place_params, args=(work,), name="maxtext-place-copies", daemon=True
-          )
-          self._placing_copies.start()
-          return
-      self.placed_bytes = work() if work is not None else 0
-    except Exception as e:  # pylint: disable=broad-exception-caught  # an optimisation must not break the engine
-      logger.warning("kernel_backend=%s: placing the weights failed (they stay where they are): %s", self.backend.name, e)
-      self.placed_bytes = 0
-      return
-    logger.info(
-        "kernel_backend=%s placed %.1f MB of weights (%.2f s)",
-        self.backend.name,
-        self.placed_bytes / 1e6,
-        time.perf_counter() - start,
-    )
-
-  def _adopt_copied_weights(self) -> None:
-    """Steps from now on read the placing thread's copies of cached weights (equal arrays; the file's mapping goes
-    once nothing holds its views)."""
-    leaves, self._copied_leaves = self._copied_leaves, None
-    if leaves is not None:
-      self._state_leaves = leaves
-      self.state = jax.tree_util.tree_unflatten(self._state_def, leaves)
-      self.model = nnx.merge(nnx.graphdef(self.model), self.state)
-
-  def _program(self, name: str, num_tokens: int) -> Any:
-    """The jitted `name` program ("step", "step_greedy") with the compile options the backend asks for a step of
-    `num_tokens` (padded) tokens; kv_caches donated, the layer map static."""
-    options = self.backend.compiler_options(num_tokens)
-    key = (name, tuple(sorted(options.items())))
-    with self._programs_lock:
-      if key not in self._programs:
-        fn, layer_map_arg = self._jitted_steps[name]
-        cache = self._step_program_cache()
-        if cache is None:
-          self._programs[key] = jax.jit(
-              fn, donate_argnums=(1,), static_argnums=(layer_map_arg,), compiler_options=options or None
-          )
-        else:
-          jitted = jax.jit(
-              step_programs.named(fn, cache.program_name(name)),
-              donate_argnums=(1,),
-              static_argnums=(layer_map_arg,),
-              compiler_options=options or None,
-          )
-          self._programs[key] = step_programs.StepProgram(jitted, name, options, cache)
-      return self._programs[key]
-
-  def _step_program_cache(self, fixed: tuple[Any, Any] | None = None) -> step_programs.ProgramCache | None:
-    """The folder of whole step executables (`step_programs`), made on first use; None when it is off (no
-    compilation cache of the config's own, or a mesh of several devices). `fixed`: the parameters and the caches
-    (arrays or their shapes; default: the engine's)."""
-    if self._program_cache is None:
-      folder = step_programs.folder_for(self.cfg, self.compilation_cache_dir)
-      if folder is None or self.mesh.size != 1:
-        self._program_cache = False
-      else:
-        # The programs call the C++ kernels by name: they are registered (and their availability keyed) first.
-        kernels = self.backend.load_kernels()
-        fixed = fixed or (self._state_leaves, self.kv_caches)
-        run_key = step_programs.run_key(self.cfg, self.backend, fixed, self.layer_map, kernels=kernels)
-        self._program_cache = step_programs.ProgramCache(folder, run_key, list(self.mesh.devices.flat))
-    return self._program_cache or None
-
-  def _compile_smallest_greedy_step(self, leaves: Sequence[Any], kv_caches: Sequence[Any]) -> None:
-    """Loads the step programs this run used most recently (`ProgramCache.preload`), then traces and compiles the
-    greedy step of one request and the smallest token bucket (a one-token decode), unless it was among them.
-
-    Runs in a thread while the weights load: it needs only shapes (`leaves`, `kv_caches`: the parameters' and the
-    caches'), and JAX keeps the trace and the executable, so the first such step finds both. The batch comes from
-    a throwaway scheduler. A failure only logs (the step then compiles when first used).
-    """
-    try:
-      with self._programs_lock:
-        cache = self._step_program_cache((leaves, kv_caches))
-      if cache is not None:
-        cache.preload()  # the programs this run used last time (a prefill bucket among them), for the first steps
-      manager = make_kv_cache_manager(self.cfg)
-      scheduler = Scheduler(self.cfg, manager)
-      scheduler.add_request(Request("background-compile", [0], SamplingParams(max_tokens=1, temperature=0.0)))
-      out = scheduler.schedule()
-      batch = build_batch(self.cfg, out, manager)
-      step, indices = self._greedy_program(batch, out.sampling_request_ids)
-      prev, num_prev = _no_previous_tokens(indices.shape[0])
-      args = (*_step_inputs(leaves, kv_caches, batch), indices, prev, num_prev, self.layer_map)
-      if isinstance(step, step_programs.StepProgram):
-        step.prepare(*args)  # from the folder, else traced, compiled and stored
-      else:
-        step.lower(*args).compile()
-    except Exception as e:  # pylint: disable=broad-exception-caught  # an optimisation must not break the engine
-      logger.warning("compiling the decode step in the background failed (it compiles when first used): %s", e)
-
-  def _greedy_program(self, batch: BatchInputs, sampling_request_ids: Sequence[str]) -> tuple[Any, np.ndarray]:
-    """The fused greedy step program for `batch`, and its logits rows.
-
-    The rows are padded to a size fixed by the step's static shapes (its token and request buckets), so the fused
-    program compiles no more often than the step alone.
-    """
-    num_rows = min(batch.padded_num_reqs, batch.padded_num_tokens)
-    indices = sampling_logits_indices(batch, sampling_request_ids, num_rows=num_rows)
-    return self._program("step_greedy", batch.padded_num_tokens), indices
-
-  def _wait_for_background_compile(self, batch: BatchInputs) -> None:
-    """Before a greedy step of the background program's token bucket, waits until that program is compiled."""
-    if self._background_compile is not None and batch.padded_num_tokens == self._background_tokens:
-      self._background_compile.join()
-      self._background_compile = None
 
   def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
     """Queues a request; returns its id.
@@ -554,9 +280,9 @@ class LLMEngine:
     """
     for s in self.recurrent_slots:
       states = self.kv_caches[s]
-      index = np.full((max(self._zero_rows_bucket, next_power_of_two(len(slots))),), states[0].shape[0], np.int32)
+      index = np.full((max(self.programs.zero_rows_bucket, next_power_of_two(len(slots))),), states[0].shape[0], np.int32)
       index[: len(slots)] = slots
-      self.kv_caches[s] = self._zero_rows(states, index)
+      self.kv_caches[s] = self.programs.zero_rows(states, index)
 
   def step(self) -> list[FinishedRequest]:
     """Runs one model step; returns the requests that finished in it (first those aborted since the last step).
@@ -581,7 +307,7 @@ class LLMEngine:
     start = time.perf_counter()
     aborted, self._aborted = self._aborted, []
     self.last_sampled = {}
-    self._adopt_copied_weights()
+    self.weights.adopt_copies()
     pending = self._take_ahead()
     sampled: dict[str, int] = {}
     if pending is None:
@@ -616,7 +342,7 @@ class LLMEngine:
       for rid, row in zip(out.sampling_request_ids, rows):
         sampled[rid] = int(token_ids[row])
     self.last_sampled = sampled
-    self._start_placing_params()  # after the first step: its programs are compiled
+    self.weights.start_placing()  # after the first step: its programs are compiled
     finished = self.scheduler.update_from_output(out, sampled)
     self.stats.steps += 1
     self.stats.scheduled_tokens += out.num_scheduled_tokens
@@ -637,13 +363,13 @@ class LLMEngine:
     With `prev_tokens` (the previous step's token ids, on the device), the batch's decode rows take their input
     tokens from it (a plan one step ahead: `_plan_ahead`).
     """
-    step_greedy, indices = self._greedy_program(batch, out.sampling_request_ids)
+    step_greedy, indices = self.programs.greedy_program(batch, out.sampling_request_ids)
     if prev_tokens is None:
-      prev_tokens, num_prev = _no_previous_tokens(indices.shape[0])
+      prev_tokens, num_prev = no_previous_tokens(indices.shape[0])
     else:
       num_prev = np.int32(batch.num_decodes)
-    self._wait_for_background_compile(batch)  # never compile the same program twice at once
-    inputs = _step_inputs(self._state_leaves, self.kv_caches, batch)
+    self.programs.wait_for_background_compile(batch)  # never compile the same program twice at once
+    inputs = step_inputs(self.weights.leaves, self.kv_caches, batch)
     self.kv_caches, token_ids, finite = step_greedy(*inputs, indices, prev_tokens, num_prev, self.layer_map)
     return token_ids, finite
 
@@ -652,12 +378,12 @@ class LLMEngine:
   ) -> dict[str, int]:
     """Runs the step of `out`, then samples on the host (any sampling parameters, logprobs); returns the tokens."""
     batch = build_batch(self.cfg, out, self.manager)
-    inputs = _step_inputs(self._state_leaves, self.kv_caches, batch)
-    self.kv_caches, hidden = self._program("step", batch.padded_num_tokens)(*inputs, self.layer_map)
+    inputs = step_inputs(self.weights.leaves, self.kv_caches, batch)
+    self.kv_caches, hidden = self.programs.program("step", batch.padded_num_tokens)(*inputs, self.layer_map)
     sampled: dict[str, int] = {}
     if params:
       indices = sampling_logits_indices(batch, out.sampling_request_ids)
-      logits = np.asarray(self._logits(self._state_leaves, hidden, indices))[: len(params)]
+      logits = np.asarray(self.programs.logits(self.weights.leaves, hidden, indices))[: len(params)]
       rows = [requests[rid] for rid in out.sampling_request_ids]
       steps = [len(r.output_token_ids) for r in rows]
       histories = [
@@ -730,31 +456,6 @@ class LLMEngine:
     return self.scheduler.has_unfinished_requests() or bool(self._aborted)
 
 
-def sampling_logits_indices(
-    batch: BatchInputs, sampling_request_ids: Sequence[str], num_rows: int | None = None
-) -> np.ndarray:
-  """The hidden-state rows to compute logits for: each sampling request's last token, in `sampling_request_ids` order.
-
-  Only the requests that sample this step get logits (a chunked prefill that does not finish its prompt gets
-  none). The rows are padded (repeating the first row) to `num_rows`, or to a power of two when None, so the logits
-  program compiles once per bucket.
-
-  Returns:
-    `[num_rows or next_power_of_two(len(sampling_request_ids))]` int32; the first `len(sampling_request_ids)` rows
-    are real.
-
-  Raises:
-    ValueError: `num_rows` is below the number of sampling requests.
-  """
-  rows = [batch.request_ids.index(rid) for rid in sampling_request_ids]
-  size = next_power_of_two(len(rows)) if num_rows is None else num_rows
-  if size < len(rows):
-    raise ValueError(f"num_rows={num_rows} cannot hold the logits rows of {len(rows)} sampling requests")
-  indices = np.full((size,), batch.logits_indices[rows[0]], np.int32)
-  indices[: len(rows)] = batch.logits_indices[rows]
-  return indices
-
-
 def check_finite_rows(finite: np.ndarray) -> None:
   """Raises like the sampler when a sampled row's logits are not all finite.
 
@@ -764,10 +465,3 @@ def check_finite_rows(finite: np.ndarray) -> None:
   bad = np.flatnonzero(~finite)
   if bad.size:
     raise ValueError(f"logits row {int(bad[0])} holds non-finite values (NaN or inf); the model output is broken")
-
-
-def metadata_positions(metadata: AttentionMetadata | GroupedAttentionMetadata) -> jax.Array:
-  """The positions array the runner passes positionally (the same array as in the metadata)."""
-  if isinstance(metadata, AttentionMetadata):
-    return metadata.input_positions
-  return metadata.groups[0].input_positions

@@ -274,7 +274,7 @@ def test_a_second_engine_reads_the_prepared_weights_and_decodes_alike(checkpoint
   (entry,) = weight_cache.WeightCache(tmp_path / "weights").entries()
   second = _engine(checkpoint, max_target_length=48)  # a runtime key: the same entry
   assert second.weights_from_cache and second.prepared_bytes == first.prepared_bytes
-  for a, b in zip(first._state_leaves, second._state_leaves, strict=True):  # pylint: disable=protected-access
+  for a, b in zip(first.weights.leaves, second.weights.leaves, strict=True):
     assert a.dtype == b.dtype
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert _tokens(second) == _tokens(first)
@@ -337,22 +337,22 @@ def test_cached_weights_are_copied_out_of_the_file_placed_and_adopted_between_st
   tokens = _tokens(_engine(checkpoint, kernel_backend="cpu"))
   engine = _engine(checkpoint, kernel_backend="cpu", huge_page_weights=True)
   assert engine.weights_from_cache
-  cached = list(engine._state_leaves)  # pylint: disable=protected-access
+  cached = list(engine.weights.leaves)
   rid = engine.add_request([1, 5, 9, 3], SamplingParams(max_tokens=4, temperature=0.0))
   engine.step()  # the first step starts the placing thread, which copies the file's views
   # It calls into XLA: not a daemon, or a process exiting meanwhile would abort inside C++.
-  assert not engine._placing.daemon  # pylint: disable=protected-access
-  engine._placing.join()  # pylint: disable=protected-access
+  assert not engine.weights.placing.daemon
+  engine.weights.placing.join()
   # The copies' placing is system calls only: a daemon the exit does not wait for.
-  assert engine._placing_copies.daemon  # pylint: disable=protected-access
-  engine._placing_copies.join()  # pylint: disable=protected-access
+  assert engine.weights.placing_copies.daemon
+  engine.weights.placing_copies.join()
   assert engine.placed_bytes is not None  # the thread ran (a tiny model may hold no whole 2 MiB page to move)
-  assert engine._state_leaves == cached  # pylint: disable=protected-access  # adopted at the next step only
+  assert engine.weights.leaves == cached  # adopted at the next step only
   out = {}
   while engine.has_unfinished_requests():
     for finished in engine.step():
       out[finished.request_id] = finished.output_token_ids
-  adopted = engine._state_leaves  # pylint: disable=protected-access
+  adopted = engine.weights.leaves
   assert all(a is not b for a, b in zip(adopted, cached, strict=True))
   for a, b in zip(adopted, cached, strict=True):
     assert a.dtype == b.dtype

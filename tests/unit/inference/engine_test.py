@@ -15,8 +15,9 @@ from support import kv_cache_checks
 from maxtext.checkpoint import save_params
 from maxtext.configs import load_config
 from maxtext.inference import LLM, SamplingParams
-from maxtext.inference import engine as engine_module
-from maxtext.inference.engine import LLMEngine, check_finite_rows, sampling_logits_indices
+from maxtext.inference import engine_programs
+from maxtext.inference.engine import LLMEngine, check_finite_rows
+from maxtext.inference.engine_programs import sampling_logits_indices
 from maxtext.kernels.cpu import cpu_attention, cpu_gemm, huge_pages
 from maxtext.kernels.cpu.backend import PANELS
 from maxtext.configs.errors import ConfigError
@@ -221,7 +222,7 @@ def test_greedy_on_device_rejects_non_finite_rows_like_the_sampler():
 def test_state_slot_zeroing_compiles_once_when_the_engine_starts():
   """Reusing recurrent state slots (a second generate) runs the program compiled at start-up: no compile per reuse."""
   llm = LLM(model_name="qwen3.5-tiny", **RUNNER)
-  zero_rows = llm.engine._zero_rows  # pylint: disable=protected-access
+  zero_rows = llm.engine.programs.zero_rows
   assert zero_rows._cache_size() == 1  # pylint: disable=protected-access
   first = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0.0, max_tokens=3))
   again = llm.generate(
@@ -253,14 +254,14 @@ def test_the_cpu_backend_is_the_default_on_one_cpu_device_and_keeps_the_tokens(m
     expected = on and not mesh and cpu_gemm.unsupported_reason() is None
     small_steps = []
     # Which programs the steps run: record the token counts of those compiled with the backend's options.
-    program = engine._program  # pylint: disable=protected-access
+    program = engine.programs.program
 
     def recording(name, num_tokens, program=program, engine=engine, small_steps=small_steps):  # pylint: disable=dangerous-default-value  # binds this round's list
       if engine.backend.compiler_options(num_tokens):
         small_steps.append((num_tokens,))
       return program(name, num_tokens)
 
-    engine._program = recording  # pylint: disable=protected-access
+    engine.programs.program = recording
     ids = engine.add_requests([(p, params) for p in prompts])
     done = _run(engine)
     tokens[on] = [done[i].output_token_ids for i in ids]
@@ -297,10 +298,10 @@ def test_background_compile_serves_the_first_one_token_greedy_step(tmp_path):
   for on in (True, False):
     engine = _checkpointed_engine(tmp_path / str(on), "qwen3-next-tiny", min_token_bucket=1, background_compile=on)
     if on:
-      engine._background_compile.join()  # pylint: disable=protected-access
+      engine.programs.background_compile.join()
       assert engine.stats.step_traces == 1  # the one-token step, traced in the thread
     else:
-      assert engine._background_compile is None and engine.stats.step_traces == 0  # pylint: disable=protected-access
+      assert engine.programs.background_compile is None and engine.stats.step_traces == 0
     tokens[on] = _alone(engine, prompt, params)
     assert engine.stats.step_traces == 2  # the prompt's 8-token bucket, and the one-token bucket once
   assert tokens[True] == tokens[False] and len(tokens[True]) == 5
@@ -311,10 +312,10 @@ def test_a_failed_background_compile_only_logs(tmp_path, monkeypatch, caplog):
   def broken(*args):
     raise ValueError("no batch today")
 
-  monkeypatch.setattr(engine_module, "build_batch", broken)
-  with caplog.at_level(logging.WARNING, logger=engine_module.__name__):
+  monkeypatch.setattr(engine_programs, "build_batch", broken)
+  with caplog.at_level(logging.WARNING, logger=engine_programs.__name__):
     engine = _checkpointed_engine(tmp_path, "llama-tiny", min_token_bucket=1)
-    engine._background_compile.join()  # pylint: disable=protected-access
+    engine.programs.background_compile.join()
   monkeypatch.undo()
   assert "compiling the decode step in the background failed (it compiles when first used): no batch today" in caplog.text
   assert len(_alone(engine, [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))) == 3
@@ -322,7 +323,7 @@ def test_a_failed_background_compile_only_logs(tmp_path, monkeypatch, caplog):
 
 
 def test_dummy_weights_start_no_background_compile():
-  assert _engine("llama-tiny")._background_compile is None  # pylint: disable=protected-access
+  assert _engine("llama-tiny").programs.background_compile is None
 
 
 @pytest.mark.slow
@@ -332,17 +333,17 @@ def test_huge_page_weights_moves_the_weights_in_a_thread_and_keeps_the_tokens():
   tokens = {}
   for on in (True, False):
     engine = _engine("qwen3-next-tiny", huge_page_weights=on, kernel_backend="cpu")
-    assert engine._placing is None and engine.placed_bytes is None  # pylint: disable=protected-access
+    assert engine.weights.placing is None and engine.placed_bytes is None
     tokens[on] = _alone(engine, prompt, params)
     if on:
-      engine._placing.join()  # pylint: disable=protected-access
-      weight_bytes = sum(size for _, size in huge_pages.buffer_ranges(engine._state_leaves))  # pylint: disable=protected-access
+      engine.weights.placing.join()
+      weight_bytes = sum(size for _, size in huge_pages.buffer_ranges(engine.weights.leaves))
       if huge_pages.unsupported_reason() is None:
         assert 0 < engine.placed_bytes <= weight_bytes
       else:
         assert engine.placed_bytes == 0
     else:
-      assert engine._placing is None and engine.placed_bytes is None  # pylint: disable=protected-access
+      assert engine.weights.placing is None and engine.placed_bytes is None
   assert tokens[True] == tokens[False] and len(tokens[True]) == 4
 
 
@@ -355,7 +356,7 @@ def test_huge_page_weights_failure_only_logs(monkeypatch, caplog):
   with caplog.at_level(logging.WARNING, logger="maxtext.inference.engine"):
     engine = _engine("qwen3-next-tiny", huge_page_weights=True, kernel_backend="cpu")
     _alone(engine, [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
-    engine._placing.join()  # pylint: disable=protected-access
+    engine.weights.placing.join()
   assert engine.placed_bytes == 0
   assert "kernel_backend=cpu: placing the weights failed (they stay where they are): no madvise for" in caplog.text
 
@@ -376,7 +377,7 @@ def test_cpu_weight_panels_put_loaded_kernels_in_panels_and_keep_the_tokens(tmp_
     in_panels = [layer for layer in _dense_layers(engine) if layer.layout == PANELS]
     assert bool(in_panels) is expected
     assert engine.prepared_bytes == sum(layer.kernel.get_value().nbytes for layer in in_panels)
-    engine._background_compile.join()  # pylint: disable=protected-access
+    engine.programs.background_compile.join()
     tokens[on] = _alone(engine, prompt, params)
     assert engine.stats.step_traces == 2  # the prompt's bucket, and the one-token step compiled in the thread
   assert tokens[True] == tokens[False] and len(tokens[True]) == 5

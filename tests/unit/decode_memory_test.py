@@ -87,7 +87,7 @@ def test_the_8b_shape_config_is_refused_before_any_weight_is_built(tmp_path):
       " checkpoint; KV caches 1.00 GiB; activations 75.83 MiB) but "
   ), line
   # Whether bfloat16 is offered depends on the memory free at the time (memory_budget_test pins the advice).
-  # Building the weights would hold about 30 GiB; the refusal holds only what the interpreter and JAX take. Its time
-  # (about 1.5 s on an idle machine) is measured, not asserted: the tests share the cores.
+  # Building the weights would hold about 30 GiB; the refusal holds what the interpreter and JAX take (1 to 1.2 GiB
+  # measured). Its time (about 1.5 s on an idle machine) is measured, not asserted: the tests share the cores.
   del seconds
-  assert peak < GIB, f"the refused run held {peak / GIB:.2f} GiB: weights were built"
+  assert peak < 4 * GIB, f"the refused run held {peak / GIB:.2f} GiB: weights were built"

@@ -54,6 +54,7 @@ import numpy as np
 from maxtext import user_cache
 from maxtext.configs import run_options
 from maxtext.configs import keys as config_keys
+from maxtext.configs import model_config
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ DEFAULT_MAX_BYTES = 8 << 30
 _HEADER_LENGTH = 8  # bytes of the little-endian header length after the magic line
 # Config keys that never change a parameter array (category `RUNTIME` in configs/keys.py): the checkpoint paths
 # (their content is in the key instead), the caches', scheduler's and tokenizer's settings.
-RUNTIME_KEYS = config_keys.RUNTIME_KEYS
+RUNTIME_KEYS = config_keys.RUNTIME_KEYS | model_config.DERIVED_RUNTIME_KEYS
 # The package folders whose sources decide what a checkpoint's prepared arrays hold.
 _CODE_FOLDERS = ("checkpoint", "configs", "kernels", "layers", "models")
 

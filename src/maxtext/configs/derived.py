@@ -3,17 +3,9 @@
 A key's own bound or choices are declared with it (`keys.py`); `validate` applies them, then the checks that
 relate keys, in small named functions.
 
-Derived values (added to the loaded config):
-  layer_types               per-layer kinds, from `decoder_block` and `inhomogeneous_layer_cycle_interval` when
-                            base.yml's `layer_types` is empty.
-  kv_shared_source          per layer: -1, or the layer whose K/V a KV-shared layer reuses.
-  moe_layers                per layer: whether the MLP is a mixture of experts.
-  use_qk_norm, use_zero_centered_norm, use_sandwich_norm, use_embedding_scale, use_attention_output_gate,
-  use_attention_sinks, use_moe_bias, use_clamped_swiglu, use_global_rope_on_sliding:
-                            the trait flags of `decoder_block`'s family (`maxtext.configs.families`).
-  rotary_dim, attention_scale (`attention_multiplier` when set), gdn_conv_dim.
-  mamba_inner_dim           nh * hd, the Mamba2 inner size (x channels, z, gated norm, out_proj input).
-  mamba_conv_dim            inner + 2 * G * N, the conv channels `[x | B | C]`.
+Derived values (added to the loaded config, `derive`): the per-layer kinds, KV-sharing sources and MoE flags, the
+family's trait flags as `use_<trait>`, and the sizes computed from other keys; each is declared with its type and
+description in `model_config.DERIVED`, as a field of the typed `ModelConfig`.
 """
 
 from __future__ import annotations
@@ -248,6 +240,8 @@ def _check_runner(values: Mapping[str, Any]) -> None:
   _validate_axis_rules(values["logical_axis_rules"])
   if values["decode_sampling_nucleus_p"] > 1.0:
     raise _fail("decode_sampling_nucleus_p", values["decode_sampling_nucleus_p"], "must be <= 1")
+  if values["decode_sampling_temperature"] > 2.0:  # vLLM's bound, which SamplingParams applies
+    raise _fail("decode_sampling_temperature", values["decode_sampling_temperature"], "must be <= 2")
 
 
 def _validate_axis_rules(rules: Any) -> None:
@@ -297,4 +291,5 @@ def derive(values: Mapping[str, Any]) -> dict[str, Any]:
       "gdn_conv_dim": 2 * nk * values["gdn_key_head_dim"] + nv * values["gdn_value_head_dim"],
       "mamba_inner_dim": mamba_inner,
       "mamba_conv_dim": mamba_inner + 2 * values["mamba_num_groups"] * values["mamba_state_dim"],
+      "state_block_size": int(values["mamba_block_size"]) or int(values["block_size"]),
   }

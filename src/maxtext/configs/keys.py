@@ -346,7 +346,7 @@ _DECLARED = (
     _key("prompts_file", str, CLI, 'several prompts, decoded together: one per line, or JSON Lines ("" = none)'),
     _key("use_chat_template", bool, CLI, "wrap text prompts in the model's chat template (as a user message)"),
     _key("max_new_tokens", int, CLI, "tokens to generate per request (0 = until eos, within max_target_length)"),
-    _key("decode_sampling_temperature", float, CLI, "0 = greedy", bound=NON_NEGATIVE),
+    _key("decode_sampling_temperature", float, CLI, "0 = greedy; at most 2", bound=NON_NEGATIVE),
     _key("decode_sampling_top_k", int, CLI, "<= 0 = no top-k"),
     _key("decode_sampling_nucleus_p", float, CLI, "top-p in (0, 1]; 1 (or <= 0) = no top-p"),
     _key("seed", int, CLI, "sampling seed, and the permutation seed of kv_cache_layout=shuffled", bound=NON_NEGATIVE),

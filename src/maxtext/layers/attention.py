@@ -17,6 +17,7 @@ import ml_collections
 from flax import nnx
 
 from maxtext.configs.errors import ConfigError
+from maxtext.configs.model_config import ModelConfig
 from maxtext.configs.layer_kinds import ATTENTION_CACHE, FULL_ATTENTION, SLIDING_ATTENTION
 from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.kernels.backend import KernelBackend
@@ -213,23 +214,21 @@ class Attention(Mixer):
         use_output_gate=cfg.use_attention_output_gate,
         use_sinks=cfg.use_attention_sinks,
         is_kv_shared=cfg.kv_shared_source[layer_index] >= 0,
-        cache_kv_heads=cls.cache_spec(cfg, layer_index).num_kv_heads,
-        cache_kv_shards=cls.cache_spec(cfg, layer_index).num_shards,
+        cache_kv_heads=cls.padded_kv_heads(cfg),
+        cache_kv_shards=cfg.ici_tensor_parallelism,
         dtype=jnp.dtype(cfg.dtype),
         weight_dtype=jnp.dtype(cfg.weight_dtype),
         rngs=rngs,
     )
 
   @classmethod
-  def cache_spec(cls, cfg: ml_collections.FrozenConfigDict, layer_index: int) -> AttentionSpec:
-    """A paged KV cache as the runner allocates it: KV heads padded to the tensor-parallel size, each shard of the
-    packed-head axis in the layout of its own heads.
+  def padded_kv_heads(cls, cfg: ModelConfig | ml_collections.FrozenConfigDict) -> int:
+    """The KV heads of the runner's cache: the model's, padded to the tensor-parallel size.
 
     Raises:
       ConfigError: the KV heads can neither be split over nor replicated to `ici_tensor_parallelism` shards, or
         the replicated heads no longer divide the query heads.
     """
-    layer_type = cfg.layer_types[layer_index]
     tp, hkv, hq = cfg.ici_tensor_parallelism, cfg.base_num_kv_heads, cfg.base_num_query_heads
     try:
       cache_heads = get_padded_num_heads(hkv, tp)
@@ -240,10 +239,22 @@ class Attention(Mixer):
           f"ici_tensor_parallelism={tp}: the runner replicates base_num_kv_heads={hkv} to {cache_heads} KV heads,"
           f" which must divide base_num_query_heads={hq}"
       )
+    return cache_heads
+
+  @classmethod
+  def cache_spec(cls, cfg: ml_collections.FrozenConfigDict, layer_index: int) -> AttentionSpec:
+    """A paged KV cache as the runner allocates it (from the run's config: its block size and cache dtype): KV heads
+    padded to the tensor-parallel size, each shard of the packed-head axis in the layout of its own heads.
+
+    Raises:
+      ConfigError: as `padded_kv_heads`.
+    """
+    layer_type = cfg.layer_types[layer_index]
+    tp = cfg.ici_tensor_parallelism
     return AttentionSpec(
         layer_type=layer_type,
         block_size=cfg.block_size,
-        num_kv_heads=cache_heads,
+        num_kv_heads=cls.padded_kv_heads(cfg),
         head_dim=cfg.head_dim,
         dtype=kv_cache_dtype(cfg),
         sliding_window=cfg.sliding_window_size if layer_type == SLIDING_ATTENTION else None,

@@ -17,7 +17,6 @@ import numpy as np
 from flax import nnx
 
 from maxtext.configs import families
-from maxtext.configs.derived import state_block_size
 from maxtext.configs.families.family import GDN_GROUPED
 from maxtext.configs.layer_kinds import LINEAR_ATTENTION, RECURRENT_CACHE
 from maxtext.kernels.attention_metadata import AttentionMetadata, recurrent_state_indices
@@ -281,7 +280,7 @@ class GatedDeltaNet(Mixer):
         norm_eps=cfg.normalization_layer_epsilon,
         dtype=jnp.dtype(cfg.dtype),
         weight_dtype=jnp.dtype(cfg.weight_dtype),
-        mamba_block_size=state_block_size(cfg),
+        mamba_block_size=cfg.state_block_size,
         rngs=rngs,
     )
 

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from maxtext.configs.derived import state_block_size
 from maxtext.configs.layer_kinds import MAMBA, RECURRENT_CACHE
 from maxtext.kernels.attention_metadata import AttentionMetadata, recurrent_state_indices
 from maxtext.kernels.backend import KernelBackend
@@ -242,7 +241,7 @@ class Mamba2(Mixer):
         norm_eps=cfg.normalization_layer_epsilon,
         dtype=jnp.dtype(cfg.dtype),
         weight_dtype=jnp.dtype(cfg.weight_dtype),
-        mamba_block_size=state_block_size(cfg),
+        mamba_block_size=cfg.state_block_size,
         rngs=rngs,
     )
 

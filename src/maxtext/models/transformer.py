@@ -10,6 +10,7 @@ import ml_collections
 from flax import nnx
 
 from maxtext.configs import families
+from maxtext.configs.model_config import ModelConfig
 from maxtext.kernels.attention_metadata import AttentionMetadata
 from maxtext.kernels.backend import KernelBackend, default_backend
 from maxtext.layers.declarations import ParamDecl, StoredTensors, nest
@@ -30,8 +31,9 @@ class Transformer(nnx.Module):
   in `cfg.weight_dtype`, compute in `cfg.dtype`.
   """
 
-  def __init__(self, cfg: ml_collections.FrozenConfigDict, *, rngs: nnx.Rngs):
-    self.cfg = cfg
+  def __init__(self, cfg: ModelConfig | ml_collections.FrozenConfigDict, *, rngs: nnx.Rngs):
+    # The layers see the typed model config only: a loaded config's run keys are not fields of it.
+    self.cfg = cfg = ModelConfig.from_config(cfg)
     self.dtype = jnp.dtype(cfg.dtype)
     weight_dtype = jnp.dtype(cfg.weight_dtype)
     d = cfg.base_emb_dim
@@ -55,9 +57,10 @@ class Transformer(nnx.Module):
     self.logits_scaling = float(cfg.logits_scaling)
 
   @classmethod
-  def declare(cls, cfg: ml_collections.FrozenConfigDict, stored: Collection[str] = ()) -> list[ParamDecl]:
+  def declare(cls, cfg: ModelConfig | ml_collections.FrozenConfigDict, stored: Collection[str] = ()) -> list[ParamDecl]:
     """Every parameter of the model of `cfg` under its canonical name, with its logical axes and the Hugging Face
     tensors that fill it (the layouts that depend on which tensors a checkpoint holds read `stored`, its names)."""
+    cfg = ModelConfig.from_config(cfg)
     d, v = cfg.base_emb_dim, cfg.vocab_size
     stored = StoredTensors(stored)
     decls = nest(Embed.declare(v, d, "model.embed_tokens.weight"), "embedder.")

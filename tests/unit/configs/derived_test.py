@@ -152,6 +152,7 @@ def test_kv_shared_sources_pick_last_earlier_layer_of_same_type():
         ),
         ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, r"max_num_batched_tokens=4: must be >= max_num_seqs=8"),
         ({"decode_sampling_nucleus_p": 1.5}, r"decode_sampling_nucleus_p=1.5: must be <= 1"),
+        ({"decode_sampling_temperature": 2.5}, r"decode_sampling_temperature=2.5: must be <= 2"),
         (
             {"block_size": 16, "mamba_block_size": 24},
             r"mamba_block_size=24: must be 0 \(= block_size\) or a positive multiple of block_size=16",

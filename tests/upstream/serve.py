@@ -27,33 +27,35 @@ SITE = HERE / "serve_site"
 DOC_BASE_URL = "http://localhost:8000/v1"
 STANDS_IN = re.compile(r"stand-ins installed in process (\d+)")
 
-# (kind, seconds, completion tokens) of every request, in order; printed after the run.
-TIMINGS: list[tuple[str, float, int]] = []
-STARTUP: dict[str, float] = {}
+# (kind, seconds, completion tokens, HTTP requests) of every call, in order; printed after the run.
+TIMINGS: list[tuple[str, float, int, int]] = []
+# Other durations the summary shows first (startup, wall time of the concurrent requests, first streamed chunks).
+DURATIONS: dict[str, float] = {}
 
 
-def record(kind: str, seconds: float, tokens: int) -> None:
-  """Adds one request's time and completion tokens to the summary."""
-  TIMINGS.append((kind, seconds, tokens))
+def record(kind: str, seconds: float, tokens: int, requests: int = 1) -> None:
+  """Adds one call's time, completion tokens and HTTP requests to the summary."""
+  TIMINGS.append((kind, seconds, tokens, requests))
 
 
 def summary() -> list[str]:
-  """The timing lines the tier prints: server startup, then per request kind count, mean, max and total seconds."""
+  """The timing lines the tier prints: the durations, then per kind of call its count, tokens, mean, max and total
+  seconds, then the HTTP requests in all."""
   if not TIMINGS:
     return []
-  lines = [f"vllm serve: {name} {seconds:.1f} s" for name, seconds in STARTUP.items()]
-  kinds: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
-  for kind, seconds, tokens in TIMINGS:
-    kinds[kind].append((seconds, tokens))
+  lines = [f"vllm serve: {name}: {seconds:.3f} s" for name, seconds in DURATIONS.items()]
+  kinds: dict[str, list[tuple[float, int, int]]] = collections.defaultdict(list)
+  for kind, seconds, tokens, requests in TIMINGS:
+    kinds[kind].append((seconds, tokens, requests))
   for kind, rows in kinds.items():
-    times = [s for s, _ in rows]
-    tokens = sum(t for _, t in rows)
+    times = [s for s, _, _ in rows]
+    tokens = sum(t for _, t, _ in rows)
     lines.append(
-        f"vllm serve: {kind}: {len(rows)} request(s){f', {tokens} tokens' if tokens else ''}, mean"
+        f"vllm serve: {kind}: {len(rows)} call(s){f', {tokens} tokens' if tokens else ''}, mean"
         f" {sum(times) / len(times):.3f} s, max {max(times):.3f} s, total {sum(times):.3f} s"
     )
-  total = sum(s for _, s, _ in TIMINGS)
-  lines.append(f"vllm serve: {len(TIMINGS)} requests, {total:.2f} s of request time")
+  requests, total = sum(r for *_, r in TIMINGS), sum(s for _, s, _, _ in TIMINGS)
+  lines.append(f"vllm serve: {requests} HTTP requests in all, {total:.2f} s of request time")
   return lines
 
 

@@ -70,7 +70,7 @@ def fixture_served(tmp_path_factory, scratch_home):
   server = serve.start(serve.doc_command(str(folder), port), env, work / "server.log", port)
   try:
     server.wait_healthy(STARTUP_TIMEOUT_S)
-    serve.STARTUP["startup to /health"] = time.perf_counter() - started
+    serve.DURATIONS["build, start, /health"] = time.perf_counter() - started
     _, errors = offline.communicate(timeout=BUILD_TIMEOUT_S)
     assert offline.returncode == 0, f"the offline reference failed:\n{errors[-3000:]}"
     client = openai.OpenAI(base_url=server.base_url, api_key="EMPTY", timeout=REQUEST_TIMEOUT_S, max_retries=0)
@@ -117,7 +117,9 @@ def test_the_server_runs_the_documented_command_with_the_stand_ins_in_every_proc
   assert f"--max-model-len {cases.SERVE_MAX_MODEL_LEN} --max-num-seqs 8" in command  # the offline engine's length
   assert "--host 127.0.0.1" in command
   log = served["server"].log()
+  start = time.perf_counter()
   assert served["client"].models.list().data[0].id == served["model"]
+  serve.record("models", time.perf_counter() - start, 0)
   engine_core = {int(pid) for pid in re.findall(r"\(EngineCore pid=(\d+)\)", log)}
   installed = {int(pid) for pid in serve.STANDS_IN.findall(log)}
   assert engine_core and engine_core <= installed  # the engine core is a child process with the stand-ins
@@ -171,7 +173,7 @@ def test_streamed_completion_matches_the_offline_engine(served):
     prompt_ids = prompt_ids or choice.prompt_token_ids
     finish = choice.finish_reason or finish
   serve.record("completion, streamed", time.perf_counter() - start, len(tokens))
-  serve.record("completion, streamed: first chunk", first, 0)
+  serve.DURATIONS["completion, streamed: first chunk"] = first
   assert (prompt_ids, tokens, text) == (reference["prompt_token_ids"], reference["token_ids"], reference["text"])
   assert finish == "length"
 
@@ -283,7 +285,7 @@ def test_streamed_chat_matches_the_offline_engine(served):
     tokens += getattr(choice, "token_ids", None) or []
     finish = choice.finish_reason or finish
   serve.record("chat, streamed", time.perf_counter() - start, len(tokens))
-  serve.record("chat, streamed: first chunk", first, 0)
+  serve.DURATIONS["chat, streamed: first chunk"] = first
   assert (prompt_ids, tokens, text) == (reference["prompt_token_ids"], reference["token_ids"], reference["text"])
   assert finish == "length"
 
@@ -306,7 +308,7 @@ def test_eight_concurrent_requests_each_match_the_offline_engine(served):
   start = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
     responses = list(pool.map(one, prompts))
-  serve.STARTUP["8 concurrent requests, wall"] = time.perf_counter() - start
+  serve.DURATIONS["8 concurrent completions, wall"] = time.perf_counter() - start
   for response, reference in zip(responses, references):
     (choice,) = response.choices
     assert choice.prompt_token_ids == reference["prompt_token_ids"]
@@ -323,7 +325,7 @@ def test_the_serving_guide_client_example_runs_unchanged(served):
   start = time.perf_counter()
   with contextlib.redirect_stdout(out):
     exec(compile(source, "docs/serving.md", "exec"), {"__name__": "serving_md"})  # pylint: disable=exec-used
-  serve.record("docs/serving.md example (3 requests)", time.perf_counter() - start, 0)
+  serve.record("docs/serving.md example (models, completion, chat)", time.perf_counter() - start, 0, requests=3)
   lines = out.getvalue().splitlines()
   assert len(lines) >= 2 and all(lines), out.getvalue()
 

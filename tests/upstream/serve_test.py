@@ -331,9 +331,14 @@ def test_the_serving_guide_client_example_runs_unchanged(served):
 
 
 def test_the_server_stops_with_every_process_it_started(served):
-  """SIGTERM to the server's process group ends the API server and the engine core; the log holds no traceback."""
+  """SIGTERM to the API server ends it and the engine core, and no process of its group is left. Nothing logs a
+  traceback while serving. At shutdown vLLM 0.32.0 may log one spurious EngineDeadError traceback from its output
+  handler, which races the engine core's teardown (vllm-project/vllm#48745); that one is allowed."""
   server = served["server"]
-  server.stop()
+  assert server.stop() == 0
   assert not serve.group_alive(server.process.pid)
-  log = server.log()
-  assert "Traceback" not in log, server.tail(60)
+  serving, trigger, shutdown = server.log().partition("[shutdown] API server: shutdown triggered")
+  assert trigger, server.tail(60)
+  assert "Traceback" not in serving, server.tail(60)
+  assert shutdown.count("Traceback") == shutdown.count("AsyncLLM output_handler failed.") <= 1, shutdown
+  assert shutdown.count("Traceback") == shutdown.count("EngineDeadError: EngineCore encountered an issue"), shutdown

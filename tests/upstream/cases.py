@@ -86,3 +86,27 @@ def reference_cases() -> dict[str, dict]:
     }
     out[name] = {"family": case["family"], "prompts": case["prompts"], "max_tokens": MAX_TOKENS, "maxtext_config": sizes}
   return out
+
+
+# `vllm serve` against the openai client (serve_test.py): a tiny Llama with a trained tokenizer and a chat template
+# (serve_model.py builds it), greedy requests compared with this package's offline engine over the same folder.
+SERVE_FAMILY = "llama"
+SERVE_MAX_TOKENS = 12
+SERVE_MAX_MODEL_LEN = 128  # the server's --max-model-len (docs/serving.md's command) and the offline engine's
+SERVE_COMPLETIONS = (
+    "The quick brown fox",
+    "A server answers",
+    "Tokens are counted one by one",
+    "Seven small models",
+    "Every prompt gets an answer",
+    "The cache keeps blocks",
+    "Greedy decoding is deterministic",
+    "Two cores share the work",
+)
+SERVE_CHATS = (
+    ({"role": "user", "content": "What does the server do?"},),
+    (
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Name a color."},
+    ),
+)

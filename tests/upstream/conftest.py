@@ -22,12 +22,22 @@ HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import cases  # pylint: disable=wrong-import-position
+import serve  # pylint: disable=wrong-import-position
 import stand_ins  # pylint: disable=wrong-import-position
 
 SPEC_PATCH = REPO / "docs" / "tpu-inference-kv-cache-spec.patch"
 # This process imports tpu_inference too (its metadata classes, its mesh axis names): no metadata-server polling.
 os.environ.update(stand_ins.environment())
 RUN_TIMEOUT_S = 600
+
+
+def pytest_terminal_summary(terminalreporter):
+  """serve_test.py's request timings, when it ran."""
+  lines = serve.summary()
+  if lines:
+    terminalreporter.section("vllm serve timings")
+    for line in lines:
+      terminalreporter.write_line(line)
 
 
 def _main_python() -> str:

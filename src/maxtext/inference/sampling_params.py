@@ -169,6 +169,8 @@ class SamplingParams:
       _fail(f"stop strings need detokenize=True (the text is what they match), got stop={list(stop)!r}")
     object.__setattr__(self, "stop", stop)  # frozen dataclass: normalise to tuples
     object.__setattr__(self, "stop_token_ids", _normalized_stop_token_ids(self.stop_token_ids))
+    if self.is_greedy and self.n > 1:  # vLLM's rule: greedy sequences would all be the same
+      _fail(f"n must be 1 when using greedy sampling, got {self.n}")
     if self.is_greedy:  # as vLLM does: the filters mean nothing for an argmax
       object.__setattr__(self, "top_p", 1.0)
       object.__setattr__(self, "top_k", 0)

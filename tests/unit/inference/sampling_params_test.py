@@ -41,6 +41,7 @@ def test_stop_and_stop_token_ids_become_tuples_and_params_are_frozen():
     "kwargs, error, match",
     [
         ({"n": 0}, ValueError, "n must be >= 1, got 0"),
+        ({"n": 2, "temperature": 0.0}, ValueError, "n must be 1 when using greedy sampling, got 2"),
         ({"max_tokens": 0}, ValueError, "max_tokens must be None or >= 1, got 0"),
         ({"max_tokens": 2.0}, TypeError, "max_tokens must be None or an int, got float"),
         ({"max_tokens": True}, TypeError, "max_tokens must be None or an int, got bool"),

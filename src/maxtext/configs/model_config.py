@@ -93,11 +93,25 @@ def _describe(name: str) -> str:
   return _BY_NAME[name].description
 
 
+def _item(self: Any, name: str) -> Any:
+  """`cfg[name]`: the field `name`."""
+  return getattr(self, name)
+
+
+def _get(self: Any, name: str, default: Any = None) -> Any:
+  """`cfg.get(name, default)`: the field `name`, or `default` when there is none."""
+  return getattr(self, name, default)
+
+
 _BY_NAME = {k.name: k for k in FIELDS}
+# Each field carries its declaration (`dataclasses.fields(ModelConfig)[i].metadata["key"]`).
+_FIELD_SPECS = [
+    (k.name, _annotation(k), dataclasses.field(metadata={"key": k})) for k in FIELDS  # pylint: disable=invalid-field-call
+]
 
 ModelConfig = dataclasses.make_dataclass(
     "ModelConfig",
-    [(k.name, _annotation(k), dataclasses.field(metadata={"key": k})) for k in FIELDS],
+    _FIELD_SPECS,
     frozen=True,
     namespace={
         "__doc__": (
@@ -109,8 +123,8 @@ ModelConfig = dataclasses.make_dataclass(
         "from_config": classmethod(_from_config),
         "describe": staticmethod(_describe),
         # Attribute access is the layers' interface; the config is also read like the mapping it replaces.
-        "__getitem__": lambda self, name: getattr(self, name),
-        "get": lambda self, name, default=None: getattr(self, name, default),
+        "__getitem__": _item,
+        "get": _get,
     },
 )
 

@@ -115,6 +115,12 @@ def _stop_string(tokenizer, tokens: list[int]) -> dict | None:
   return None
 
 
+def _position(token: int, logprobs: dict) -> list:
+  """[the token's logprob, [[id, logprob] of the 3 most likely, most likely first]] from one `{id: Logprob}`."""
+  top = sorted(logprobs.items(), key=lambda item: (-item[1].logprob, item[0]))[:3]
+  return [logprobs[token].logprob, [[t, lp.logprob] for t, lp in top]]
+
+
 def reference(folder: str, out_path: str) -> None:
   """Writes the offline engine's greedy answers to every serve case (see the module docstring)."""
   # pylint: disable=import-outside-toplevel  # after sys.path is set
@@ -138,7 +144,7 @@ def reference(folder: str, out_path: str) -> None:
             "token_ids": list(completion.token_ids),
             "text": completion.text,
             "finish_reason": completion.finish_reason,
-            "logprobs": [[lp.logprob, [list(pair) for pair in lp.top]] for lp in completion.logprobs],
+            "logprobs": [_position(token, lps) for token, lps in zip(completion.token_ids, completion.logprobs)],
         }
     )
   n = len(cases.SERVE_COMPLETIONS)

@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 
 from maxtext.causal_lm import CausalLM
-from maxtext.inference import compilation_cache, memory_budget
+from maxtext.inference import compilation_cache, memory_budget, step_programs
 from maxtext.inference.batch import BatchInputs, build_batch, next_power_of_two
 from maxtext.inference.engine_build import EngineWeights, make_kv_cache_manager, with_default_kernel_backend
 from maxtext.inference.engine_programs import (
@@ -32,7 +32,7 @@ from maxtext.inference.engine_programs import (
 )
 from maxtext.inference.prompts import num_generatable_tokens
 from maxtext.inference.request import FINISH_STOP, Request, RequestStatus
-from maxtext.inference.sampler import Sampler, TokenHistory, TokenLogprobs
+from maxtext.inference.sampler import Sampler, TokenHistory, TokenLogprobs, token_logprobs
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from maxtext.models import sharding
@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 # terminal); nothing is printed unless a program turns it on.
 status = logging.getLogger("maxtext.status")
 COMPILE_NOTICE_S = 1.0
+# Prompt log-probabilities are computed this many positions at a time: a long prompt's full-vocabulary logits at
+# once would take gigabytes.
+PROMPT_LOGITS_ROWS = 256
 COMPILE_NOTICE = (
     "compiling the step programs (the first run of a model takes a while; later runs load them from the compilation"
     " cache)"
@@ -61,6 +64,10 @@ class EngineStats:
   aborted_requests: int = 0
   overlapped_steps: int = 0
   wall_time_s: float = 0.0
+  compile_time_s: float = 0.0
+  compiling_steps: int = 0
+  steady_wall_time_s: float = 0.0
+  steady_generated_tokens: int = 0
   prefix_cache_queries: int = 0
   prefix_cache_hits: int = 0
   peak_running_requests: int = 0
@@ -68,8 +75,13 @@ class EngineStats:
   cached_tokens_per_request: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def as_dict(self) -> dict[str, Any]:
-    """Plain dict, with generated tokens per second of wall time and the prefix-cache hit rate.
+    """Plain dict, with generated tokens per second and the prefix-cache hit rate.
 
+    `wall_time_s` is the time of every step. `compile_time_s` is the time of the `compiling_steps` steps that made a
+    program (traced, lowered or compiled one, read one from a cache, or waited for the background compile), their
+    own computation included; `steady_wall_time_s` and `steady_generated_tokens` are the time and tokens of the
+    other steps, and `generated_tokens_per_s` their ratio: the decode speed without compilation (0.0 until a step
+    runs without compiling).
     `overlapped_steps` counts the greedy decode steps dispatched before the previous step's tokens reached the
     host (`overlap_decode_steps`). `prefix_cache_queries` / `prefix_cache_hits` count tokens looked up / found in
     the prefix cache at every admission (re-admissions after a preemption too); `cached_tokens_per_request` maps
@@ -78,7 +90,8 @@ class EngineStats:
     `peak_kv_blocks` the most blocks of the one KV-cache pool in use at once (of `num_kv_blocks - 1` usable).
     """
     out = dataclasses.asdict(self)
-    out["generated_tokens_per_s"] = self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+    steady = self.steady_wall_time_s
+    out["generated_tokens_per_s"] = self.steady_generated_tokens / steady if steady > 0 else 0.0
     queries = self.prefix_cache_queries
     out["prefix_cache_hit_rate"] = self.prefix_cache_hits / queries if queries else 0.0
     return out
@@ -95,6 +108,8 @@ class FinishedRequest:
   finish_reason: str
   num_cached_tokens: int = 0
   stop_reason: int | str | None = None
+  # Per prompt position: None at position 0 (nothing predicts it), else the prompt token's log-probability.
+  prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +161,7 @@ class LLMEngine:
 
   def __init__(self, cfg: ml_collections.FrozenConfigDict, *, eos_token_id: int | None = None):
     self.compilation_cache_dir = compilation_cache.configure(cfg.compilation_cache_dir)
+    step_programs.listen_for_compile_time()
     self.mesh = sharding.make_mesh(cfg)
     self.cfg = cfg = with_default_kernel_backend(cfg, self.mesh)
     # Host memory only: on a CPU mesh the parameters and caches live in this process's memory; a TPU's are not.
@@ -160,6 +176,7 @@ class LLMEngine:
     self.sampler = Sampler(cfg.seed, eos_token_id=eos_token_id)
     self.stats = EngineStats()
     self._logprobs: dict[str, list[TokenLogprobs]] = {}
+    self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
     self._aborted: list[FinishedRequest] = []
     # request id -> token sampled for it by the last `step` (read by streaming callers).
     self.last_sampled: dict[str, int] = {}
@@ -231,6 +248,8 @@ class LLMEngine:
     self.scheduler.add_request(request)
     if request.sampling_params.logprobs is not None:
       self._logprobs[request.request_id] = []
+    if request.sampling_params.prompt_logprobs is not None:
+      self._prompt_logprobs[request.request_id] = [None] * request.num_prompt_tokens
     self.stats.prompt_tokens += request.num_prompt_tokens
     return request.request_id
 
@@ -260,6 +279,7 @@ class LLMEngine:
 
   def _finished(self, r: Request) -> FinishedRequest:
     self.stats.cached_tokens_per_request[r.request_id] = r.num_cached_tokens
+    prompt_logprobs = self._prompt_logprobs.pop(r.request_id, None)
     return FinishedRequest(
         request_id=r.request_id,
         prompt_token_ids=tuple(r.prompt_token_ids),
@@ -268,6 +288,7 @@ class LLMEngine:
         finish_reason=r.finish_reason,
         num_cached_tokens=r.num_cached_tokens,
         stop_reason=r.stop_reason,
+        prompt_logprobs=None if prompt_logprobs is None else tuple(prompt_logprobs),
     )
 
   def _zero_slots(self, slots: Sequence[int]) -> None:
@@ -305,6 +326,7 @@ class LLMEngine:
 
   def _step(self) -> list[FinishedRequest]:
     start = time.perf_counter()
+    compile_before = step_programs.compile_seconds_in_this_thread()
     aborted, self._aborted = self._aborted, []
     self.last_sampled = {}
     self.weights.adopt_copies()
@@ -319,7 +341,7 @@ class LLMEngine:
         return aborted
       requests = {e.request.request_id: e.request for e in out.scheduled}
       params = [requests[rid].sampling_params for rid in out.sampling_request_ids]
-      if params and all(p.plain_argmax for p in params):
+      if params and all(p.plain_argmax for p in params) and not self._prompt_logprobs.keys() & requests.keys():
         pending = _DispatchedStep(out, *self._dispatch_greedy(out, build_batch(self.cfg, out, self.manager)), rows=None)
       else:
         sampled = self._run_and_sample(out, requests, params)
@@ -351,8 +373,17 @@ class LLMEngine:
     self.stats.prefix_cache_hits = self.scheduler.prefix_cache_hits
     self.stats.peak_running_requests = max(self.stats.peak_running_requests, len(out.scheduled))
     self.stats.peak_kv_blocks = self.manager.peak_used_blocks
-    self.stats.wall_time_s += time.perf_counter() - start
+    self._count_time(time.perf_counter() - start, step_programs.compile_seconds_in_this_thread() - compile_before, sampled)
     return aborted + [self._finished(r) for r in finished]
+
+  def _count_time(self, elapsed: float, compile_s: float, sampled: dict[str, int]) -> None:
+    self.stats.wall_time_s += elapsed
+    if compile_s > 0.0:  # nested programs time their tracing again: the events only tell that a step compiled
+      self.stats.compile_time_s += elapsed
+      self.stats.compiling_steps += 1
+    else:
+      self.stats.steady_wall_time_s += elapsed
+      self.stats.steady_generated_tokens += len(sampled)
 
   def _dispatch_greedy(
       self, out: SchedulerOutput, batch: BatchInputs, prev_tokens: jax.Array | None = None
@@ -380,6 +411,7 @@ class LLMEngine:
     batch = build_batch(self.cfg, out, self.manager)
     inputs = step_inputs(self.weights.leaves, self.kv_caches, batch)
     self.kv_caches, hidden = self.programs.program("step", batch.padded_num_tokens)(*inputs, self.layer_map)
+    self._record_prompt_logprobs(out, batch, hidden)
     sampled: dict[str, int] = {}
     if params:
       indices = sampling_logits_indices(batch, out.sampling_request_ids)
@@ -395,6 +427,29 @@ class LLMEngine:
         if logprob is not None:
           self._logprobs[rid].append(logprob)
     return sampled
+
+  def _record_prompt_logprobs(self, out: SchedulerOutput, batch: BatchInputs, hidden: jax.Array) -> None:
+    """Fills the prompt log-probabilities of the positions this step computed, for the requests that asked.
+
+    Hidden row j of a request's chunk (position start + j) predicts the prompt token at start + j + 1. A request
+    recomputed after a preemption writes the same positions again.
+    """
+    for request, n in out.scheduled:
+      entries = self._prompt_logprobs.get(request.request_id)
+      if entries is None:
+        continue
+      start = out.num_computed_tokens[request.request_id]
+      targets = list(range(start + 1, min(start + n, request.num_prompt_tokens - 1) + 1))
+      first_row = int(batch.query_start_loc[batch.request_ids.index(request.request_id)])
+      num_top = request.sampling_params.prompt_logprobs
+      for lo in range(0, len(targets), PROMPT_LOGITS_ROWS):
+        chunk = targets[lo : lo + PROMPT_LOGITS_ROWS]
+        indices = np.full((next_power_of_two(len(chunk)),), first_row + chunk[0] - 1 - start, np.int32)
+        indices[: len(chunk)] = [first_row + t - 1 - start for t in chunk]
+        logits = np.asarray(self.programs.logits(self.weights.leaves, hidden, indices))[: len(chunk)]
+        check_finite_rows(np.all(np.isfinite(logits), axis=-1))
+        for t, row in zip(chunk, logits):
+          entries[t] = token_logprobs(row, request.prompt_token_ids[t], num_top)
 
   def _plan_ahead(self, current: _DispatchedStep) -> SchedulerOutput | None:
     """The next step's plan, made while `current` (a greedy step, dispatched) runs, or None when it cannot be made.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -235,5 +236,7 @@ class EnginePrograms:
   def wait_for_background_compile(self, batch: BatchInputs) -> None:
     """Before a greedy step of the background program's token bucket, waits until that program is compiled."""
     if self.background_compile is not None and batch.padded_num_tokens == self._background_tokens:
+      start = time.perf_counter()
       self.background_compile.join()
+      step_programs.add_compile_seconds(time.perf_counter() - start)
       self.background_compile = None

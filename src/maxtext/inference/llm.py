@@ -24,7 +24,14 @@ from maxtext.checkpoint import load_run_config
 from maxtext.inference import prompts as prompt_checks
 from maxtext.inference.chat_template import render_chat_template
 from maxtext.inference.engine import FinishedRequest, LLMEngine
-from maxtext.inference.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from maxtext.inference.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from maxtext.inference.sampler import TokenLogprobs
 from maxtext.inference.sampling_params import SamplingParams
 from maxtext.inference.tokenizer import tokenizer_from_config
@@ -317,6 +324,13 @@ class LLM:
     )
     return tokenizer.encode(text, add_special_tokens=False)
 
+  def prompt_logprobs(self, finished: FinishedRequest) -> PromptLogprobs | None:
+    """A request's prompt log-probabilities as vLLM reports them: None for the first position, then per prompt token
+    `{token id: Logprob}` of it and the `prompt_logprobs` most likely; None when the request asked for none."""
+    if finished.prompt_logprobs is None:
+      return None
+    return [None if lp is None else self.position_logprobs(lp) for lp in finished.prompt_logprobs]
+
   def position_logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
     """One position's `{token id: Logprob}`: the sampled token first, then the most likely ones by rank."""
     entries = {lp.token_id: Logprob(lp.logprob, lp.rank, self._token_text(lp.token_id))}
@@ -420,7 +434,7 @@ class _Call:
         request_id=first.request_id,
         prompt=self.texts[i],
         prompt_token_ids=list(first.prompt_token_ids),
-        prompt_logprobs=None,
+        prompt_logprobs=self.llm.prompt_logprobs(first),
         outputs=completions,
         finished=True,
         metrics=metrics,

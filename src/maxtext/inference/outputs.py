@@ -23,6 +23,8 @@ class Logprob:
 
 # One position's log-probabilities: the sampled token's and the `logprobs` most likely, by token id.
 SampleLogprobs = list[dict[int, Logprob]]
+# A prompt's: None for the first token (nothing precedes it), then the prompt token's and the most likely ones.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclasses.dataclass
@@ -71,7 +73,8 @@ class RequestOutput:
     request_id: the engine's id of the request (of its first sequence when `n > 1`).
     prompt: the prompt text, None for a token-id prompt.
     prompt_token_ids: the ids sent to the model.
-    prompt_logprobs: always None (`SamplingParams.prompt_logprobs` is refused).
+    prompt_logprobs: per prompt token, None for the first, then `{token id: Logprob}` of the prompt token and the
+      `SamplingParams.prompt_logprobs` most likely; None unless asked for.
     outputs: the `n` completions, by index.
     finished: whether every completion is finished (always True from `generate`).
     metrics: timings and token counts.
@@ -81,7 +84,7 @@ class RequestOutput:
   request_id: str
   prompt: str | None
   prompt_token_ids: list[int]
-  prompt_logprobs: None
+  prompt_logprobs: PromptLogprobs | None
   outputs: list[CompletionOutput]
   finished: bool
   metrics: RequestMetrics | None = None

@@ -199,12 +199,25 @@ class Sampler:
 
 
 def token_logprobs(logits: np.ndarray, token_id: int, num_top: int) -> TokenLogprobs:
-  """The sampled token's log-probability and rank and the `num_top` largest, from raw logits [V]."""
+  """A token's log-probability and rank and the `num_top` largest (ties broken by lower id), from raw logits [V]."""
   values = log_softmax(logits)
-  top = np.lexsort((np.arange(values.shape[0]), -values))[:num_top]
   return TokenLogprobs(
       token_id=int(token_id),
       logprob=float(values[token_id]),
-      top=tuple((int(t), float(values[t])) for t in top),
+      top=tuple((int(t), float(values[t])) for t in top_ids(values, num_top)),
       rank=int(np.sum(values > values[token_id])) + 1,
   )
+
+
+def top_ids(values: np.ndarray, k: int) -> np.ndarray:
+  """The ids of the `k` largest of `values` [V], largest first, ties broken by lower id.
+
+  A partition finds the k-th largest value first, so only the candidates at or above it are sorted (a prompt's
+  log-probabilities need this once per position).
+  """
+  k = min(k, values.shape[0])
+  if k <= 0:
+    return np.zeros((0,), np.int64)
+  kth = np.partition(values, values.shape[0] - k)[values.shape[0] - k]
+  candidates = np.flatnonzero(values >= kth)
+  return candidates[np.lexsort((candidates, -values[candidates]))][:k]

@@ -1,8 +1,8 @@
 """`SamplingParams`: how one request samples its tokens, with the fields, defaults and meanings of vLLM's class of the
 same name (text generation).
 
-What vLLM offers and this engine does not (guided decoding, logit bias, allowed or bad words, logits processors,
-prompt log-probabilities) is refused with one error naming the field, rather than accepted and ignored.
+What vLLM offers and this engine does not (guided decoding, logit bias, allowed or bad words, logits processors) is
+refused with one error naming the field, rather than accepted and ignored.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ GREEDY_TEMPERATURE = 1e-5
 
 # Fields vLLM's SamplingParams has that this engine does not implement, and what each is.
 _UNSUPPORTED = {
-    "prompt_logprobs": "log-probabilities of the prompt tokens",
     "structured_outputs": "guided decoding",
     "logit_bias": "logit bias",
     "allowed_token_ids": "an allowed-token list",
@@ -113,7 +112,9 @@ class SamplingParams:
     detokenize: False leaves `text` empty (no stop strings then).
     skip_special_tokens: drop special tokens from `text`.
     include_stop_str_in_output: keep the matched stop string at the end of `text`.
-    prompt_logprobs, structured_outputs, logit_bias, allowed_token_ids, bad_words, logits_processors: vLLM's; not
+    prompt_logprobs: None = none; k >= 0 = each prompt token's log-probability (from the second on) and the k most
+      likely tokens' at its position. A request asking for them computes its whole prompt (no prefix-cache hit).
+    structured_outputs, logit_bias, allowed_token_ids, bad_words, logits_processors: vLLM's; not
       supported here, so setting one raises.
   """
 
@@ -164,6 +165,7 @@ class SamplingParams:
     if self.max_tokens is not None and self.min_tokens > self.max_tokens:
       _fail(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
     _check_int("logprobs", self.logprobs, 0, optional=True)
+    _check_int("prompt_logprobs", self.prompt_logprobs, 0, optional=True)
     stop = _normalized_stop(self.stop)
     if stop and not self.detokenize:
       _fail(f"stop strings need detokenize=True (the text is what they match), got stop={list(stop)!r}")
@@ -193,6 +195,6 @@ class SamplingParams:
 
   @property
   def plain_argmax(self) -> bool:
-    """Whether the argmax of the raw logits is the token: greedy, no penalties, no logprobs (the engine then takes
-    the argmax on the device)."""
-    return self.is_greedy and not self.has_penalties and self.logprobs is None
+    """Whether the argmax of the raw logits is all the request needs: greedy, no penalties, no logprobs of the
+    output or the prompt (the engine then takes the argmax on the device)."""
+    return self.is_greedy and not self.has_penalties and self.logprobs is None and self.prompt_logprobs is None

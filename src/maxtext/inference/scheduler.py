@@ -218,7 +218,8 @@ class Scheduler:
     while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
       request = self.waiting[0]
       hit = None
-      if self.kv_cache_manager.enable_prefix_caching:
+      # A request that asks for its prompt's log-probabilities computes every position (vLLM does the same).
+      if self.kv_cache_manager.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
         hit = self.kv_cache_manager.find_prefix_hit(request.all_token_ids)
       computed = hit.num_tokens if hit is not None else 0
       n = self.kv_cache_manager.schedulable_tokens(computed, min(request.num_tokens - computed, budget))

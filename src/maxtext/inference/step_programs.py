@@ -39,6 +39,7 @@ import os
 import pickle
 import platform
 import threading
+import time
 from concurrent import futures
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -62,6 +63,15 @@ FOLDER_NAME = "maxtext-steps"
 # key of its own too, so it is compiled, not taken from JAX's cache. A hit on JAX's cache all the same (an entry
 # removed here but kept there), seen through JAX's monitoring events, is used and not kept.
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+# JAX's events that time the making of a program: tracing, lowering, compiling, reading its persistent cache.
+_COMPILE_EVENTS = frozenset(
+    {
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+        "/jax/core/compile/backend_compile_duration",
+        "/jax/compilation_cache/cache_retrieval_time_sec",
+    }
+)
 _hits = threading.local()
 
 
@@ -71,14 +81,37 @@ def _count_cache_hit(event: str, **kwargs: Any) -> None:
     _hits.count = getattr(_hits, "count", 0) + 1
 
 
+def _add_compile_time(event: str, duration: float, **kwargs: Any) -> None:
+  del kwargs
+  if event in _COMPILE_EVENTS:
+    _hits.compile_s = getattr(_hits, "compile_s", 0.0) + duration
+
+
 @functools.cache
 def _listen_for_cache_hits() -> None:
   jax.monitoring.register_event_listener(_count_cache_hit)
 
 
+@functools.cache
+def listen_for_compile_time() -> None:
+  """Starts counting the seconds each thread spends making programs (`compile_seconds_in_this_thread`)."""
+  jax.monitoring.register_event_duration_secs_listener(_add_compile_time)
+
+
 def cache_hits_in_this_thread() -> int:
   """How many programs this thread has loaded from JAX's persistent cache since `StepProgram` first compiled."""
   return getattr(_hits, "count", 0)
+
+
+def compile_seconds_in_this_thread() -> float:
+  """Seconds this thread spent tracing, lowering and compiling programs (or reading them from JAX's persistent
+  cache, or loading kept step programs) since `listen_for_compile_time` was first called."""
+  return getattr(_hits, "compile_s", 0.0)
+
+
+def add_compile_seconds(seconds: float) -> None:
+  """Counts `seconds` of program making in this thread (`compile_seconds_in_this_thread`)."""
+  _hits.compile_s = getattr(_hits, "compile_s", 0.0) + seconds
 
 
 SUFFIX = ".program"
@@ -150,7 +183,9 @@ class ProgramCache:
     the reason logged). One that `preload` reads or has read is taken from it (waiting for it if need be)."""
     with self._lock:
       preloaded = self._preloading.pop(path, None)
+    start = time.perf_counter()
     executable = preloaded.result() if preloaded is not None else self._read(path)
+    add_compile_seconds(time.perf_counter() - start)
     if executable is None:
       return None
     if executable.in_tree != in_tree:

@@ -242,6 +242,46 @@ def test_logprobs_zero_gives_only_the_sampled_token(llm, greedy):
   np.testing.assert_allclose(got, [r[t] for r, t in zip(rows, out.token_ids)], atol=1e-4)
 
 
+def _dense_rows(model, tokens):
+  """float64 log-softmax rows of the dense forward at every position of `tokens` (padded to PAD_TO)."""
+  padded = jnp.asarray(list(tokens) + [0] * (PAD_TO - len(tokens)), jnp.int32)
+  logits = np.asarray(jax.jit(lambda t: model(t[None])[0])(padded)[: len(tokens)], np.float64)
+  shifted = logits - logits.max(axis=-1, keepdims=True)
+  return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def test_prompt_logprobs_follow_the_dense_forward_over_chunks_and_skip_the_prefix_cache():
+  # Prefill chunks of 8 tokens split the 21-token prompt three ways; the prefix cache holds the prompt after the
+  # first request, which a request asking for prompt logprobs must not use (it needs every position's logits).
+  llm = LLM(**OVERRIDES | {"max_num_batched_tokens": 8, "enable_prefix_caching": True})
+  prompt = [1] + list(range(40, 60))
+  plain = SamplingParams(temperature=0.0, max_tokens=2)
+  asking = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+  first = llm.generate([prompt], asking)[0]
+  cached, again = llm.generate([prompt, prompt], [plain, asking])
+  rows = _dense_rows(param_checks.canonical_model(llm.engine), prompt)
+  assert cached.num_cached_tokens > 0 and again.num_cached_tokens == 0 and cached.prompt_logprobs is None
+  for out in (first, again):
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for t in range(1, len(prompt)):
+      position, row, token = out.prompt_logprobs[t], rows[t - 1], prompt[t]
+      best = np.argsort(-row, kind="stable")[:3]
+      assert list(position)[0] == token and set(position) == {token, *best.tolist()}
+      np.testing.assert_allclose(position[token].logprob, row[token], atol=1e-4)
+      assert position[token].rank == 1 + int(np.sum(row > row[token] + 1e-9))
+      for rank, t_best in enumerate(best, start=1):
+        np.testing.assert_allclose(position[t_best].logprob, row[t_best], atol=1e-4)
+        if t_best != token:
+          assert position[t_best].rank == rank
+      assert position[token].decoded_token == llm.tokenizer.decode([token], skip_special_tokens=False)
+  assert [o.outputs[0].token_ids for o in (first, cached, again)] == [first.outputs[0].token_ids] * 3
+
+
+def test_prompt_logprobs_zero_gives_the_prompt_token_alone(llm):
+  out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))[0]
+  assert out.prompt_logprobs[0] is None and [list(p) for p in out.prompt_logprobs[1:]] == [[6], [7]]
+
+
 def test_finish_reasons_stop_token_max_tokens_and_max_target_length(llm, greedy):
   prompt = [100, 101, 102]
   expected, _ = greedy(prompt, 6)
@@ -333,11 +373,17 @@ def test_engine_stats_count_steps_tokens_and_compile_once_per_bucket():
   assert stats.step_traces == 1
   assert (stats.steps, stats.generated_tokens) == (7, 15)
   # A 20-token prefill needs the 32-token bucket: exactly one more trace, and its decodes reuse the first one.
+  compiling, steady_tokens, compile_s = stats.compiling_steps, stats.steady_generated_tokens, stats.compile_time_s
   llm.generate([[8] * 20], SamplingParams(temperature=0.0, max_tokens=3))
   assert stats.step_traces == 2
+  # Its prefill step compiled (and sampled the first token); the two decode steps are steady.
+  assert (stats.compiling_steps, stats.steady_generated_tokens) == (compiling + 1, steady_tokens + 2)
+  assert stats.compile_time_s > compile_s
   as_dict = stats.as_dict()
   assert as_dict["steps"] == 10 and as_dict["generated_tokens"] == 18
-  assert as_dict["generated_tokens_per_s"] == pytest.approx(18 / stats.wall_time_s)
+  assert stats.steady_wall_time_s > 0
+  assert stats.steady_wall_time_s + stats.compile_time_s == pytest.approx(stats.wall_time_s)
+  assert as_dict["generated_tokens_per_s"] == pytest.approx(stats.steady_generated_tokens / stats.steady_wall_time_s)
   assert kv_cache_checks.all_free(llm.engine.manager)
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from maxtext.inference import SamplingParams
+from maxtext.inference import sampler
 from maxtext.inference.sampler import Sampler, TokenHistory, filtered_probs, processed_logits
 
 
@@ -151,3 +152,11 @@ def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_best():
   np.testing.assert_allclose(kept, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95])
   ids, _ = filtered_probs(np.log(probs), SamplingParams(temperature=1.0, min_p=0.2, top_k=2))
   assert ids.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 7, 8, 20])
+def test_top_ids_are_the_k_largest_with_ties_to_the_lower_id(np_rng, k):
+  values = np.round(np_rng.normal(size=8), 1)  # rounding makes ties
+  values[[2, 5]] = values.max()
+  expected = sorted(range(8), key=lambda i: (-values[i], i))[:k]
+  assert sampler.top_ids(values, k).tolist() == expected

@@ -25,6 +25,7 @@ def test_greedy_below_vllms_threshold_resets_the_filters():
   assert SamplingParams(temperature=9e-6).is_greedy and not SamplingParams(temperature=2e-5).is_greedy
   assert not SamplingParams(temperature=0.0, logprobs=0).plain_argmax
   assert not SamplingParams(temperature=0.0, repetition_penalty=1.1).plain_argmax
+  assert not SamplingParams(temperature=0.0, prompt_logprobs=0).plain_argmax
   assert SamplingParams(temperature=0.0, min_tokens=2).has_penalties
 
 
@@ -72,7 +73,8 @@ def test_stop_and_stop_token_ids_become_tuples_and_params_are_frozen():
         ({"stop_token_ids": "ab"}, TypeError, "stop_token_ids must be None or a sequence of ints"),
         ({"stop_token_ids": [1, -3]}, ValueError, "stop_token_ids must hold token ids >= 0, got -3"),
         ({"ignore_eos": 1}, TypeError, "ignore_eos must be True or False, got 1"),
-        ({"prompt_logprobs": 1}, ValueError, r"prompt_logprobs \(log-probabilities of the prompt tokens\) is not"),
+        ({"prompt_logprobs": -1}, ValueError, "prompt_logprobs must be None or >= 0, got -1"),
+        ({"prompt_logprobs": True}, TypeError, "prompt_logprobs must be None or an int"),
         ({"structured_outputs": {"json": {}}}, ValueError, r"structured_outputs \(guided decoding\) is not supported"),
         ({"logit_bias": {1: 2.0}}, ValueError, r"logit_bias \(logit bias\) is not supported"),
     ],

@@ -249,7 +249,7 @@ def _vllm_config(overrides: Mapping[str, Any], block_size: int):
   # pylint: disable=import-outside-toplevel
   from support.fake_vllm_config import fake_vllm_config
 
-  model_keys = {k: v for k, v in overrides.items() if k not in ("max_num_seqs",)}
+  model_keys = {k: v for k, v in overrides.items() if k not in ("max_num_seqs", "max_target_length")}
   return fake_vllm_config(model_keys, load_format="dummy", block_size=block_size, dtype="bfloat16")
 
 

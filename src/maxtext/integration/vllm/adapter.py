@@ -19,11 +19,25 @@ from flax import nnx
 from maxtext.causal_lm import CHECKPOINT_KEYS, CausalLM
 from maxtext.checkpoint import load_run_config
 from maxtext.configs import run_options
+from maxtext.configs.errors import ConfigError
 from maxtext.kv_cache import kv_cache_spec_data
 
 MAXTEXT_CONFIG_KEY = "maxtext_config"
 DUMMY_LOAD_FORMAT = "dummy"
 RUNNER_DTYPES = ("float32", "bfloat16")
+# Model-config keys that only this package's CPU engine applies: under vLLM they would do nothing, so
+# `maxtext_config` refuses them, naming what takes their place.
+VLLM_REPLACES = {
+    "max_target_length": "vLLM's --max-model-len",
+    "max_num_seqs": "vLLM's --max-num-seqs",
+    "max_num_batched_tokens": "vLLM's --max-num-batched-tokens",
+    "enable_prefix_caching": "vLLM's --enable-prefix-caching / --no-enable-prefix-caching",
+    "num_kv_blocks": "vLLM's --num-gpu-blocks-override (the runner sizes the cache)",
+    "kv_cache_memory_bytes": "vLLM's --kv-cache-memory-bytes (the runner sizes the cache)",
+    "min_token_bucket": "tpu-inference's own token padding",
+    "quantization": "nothing: the CPU engine's cpu kernels read int8 weights; under vLLM they stay in weight_dtype",
+    "greedy_head_candidates": "nothing: the runner samples from the full logits",
+}
 
 
 def _attr(obj: Any, path: str, default: Any = None) -> Any:
@@ -40,7 +54,8 @@ def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDic
 
   `additional_config["maxtext_config"]` holds config overrides (`model_name`, `hf_model_path`, ...), as a real
   `VllmConfig` carries them (`--additional-config`); the keys that only steer a `maxtext-decode` run (prompts,
-  sampling defaults, output, the reference runner's CPU knobs) are refused there. Unless overridden, the cache block
+  sampling defaults, output, the reference runner's CPU knobs) and those vLLM's own settings replace
+  (`VLLM_REPLACES`) are refused there. Unless overridden, the cache block
   size and dtype come from `cache_config` and `dtype` / `weight_dtype` from `model_config.dtype`;
   `load_format == "dummy"` means random weights, so `load_parameters_path`, `hf_model_path` and `gguf_model_path`
   are cleared. Otherwise, when the overrides name no checkpoint and no `model_name`, vLLM's model folder
@@ -48,7 +63,8 @@ def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDic
 
   Raises:
     TypeError: `additional_config` or its `maxtext_config` entry is not a mapping.
-    ConfigError: the overrides name a run option, or do not form a valid config.
+    ConfigError: the overrides name a run option or a key only the CPU engine applies (`VLLM_REPLACES`), or do
+      not form a valid config.
     ValueError (from `_runner_dtype`): `model_config.dtype` is neither float32 nor bfloat16.
   """
   additional = _attr(vllm_config, "additional_config") or {}
@@ -60,7 +76,14 @@ def maxtext_config_from_vllm(vllm_config: Any) -> ml_collections.FrozenConfigDic
         f"vllm_config.additional_config[{MAXTEXT_CONFIG_KEY!r}] must be a mapping of config keys, "
         f"got {type(overrides).__name__}"
     )
-  run_options.reject_run_options(overrides, f"vllm_config.additional_config[{MAXTEXT_CONFIG_KEY!r}]")
+  where = f"vllm_config.additional_config[{MAXTEXT_CONFIG_KEY!r}]"
+  run_options.reject_run_options(overrides, where)
+  replaced = sorted(key for key in overrides if key in VLLM_REPLACES)
+  if replaced:
+    raise ConfigError(
+        f"{where} sets {replaced[0]}={overrides[replaced[0]]!r}, which only maxtext's CPU engine applies; under vLLM"
+        f" it would do nothing (in its place: {VLLM_REPLACES[replaced[0]]}): remove it"
+    )
   overrides = dict(overrides)
   dtype = _runner_dtype(vllm_config)
   if dtype is not None:

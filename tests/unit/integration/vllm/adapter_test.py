@@ -1,6 +1,7 @@
 """MaxTextForCausalLM under the runner's contract: positional call in jit, donated caches, static map."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -235,6 +236,29 @@ def test_the_config_the_adapter_builds_carries_no_run_option():
 @pytest.mark.parametrize("key, value", [("prompt", "hi"), ("max_new_tokens", 4), ("cpu_weight_panels", False)])
 def test_vllm_overrides_may_not_set_run_options(key, value):
   with pytest.raises(ConfigError, match=rf"additional_config\['maxtext_config'\] sets {key}: options of a"):
+    maxtext_config_from_vllm(fake_vllm_config({"model_name": "llama-tiny", key: value}))
+
+
+@pytest.mark.parametrize(
+    "key, value, instead",
+    [
+        ("max_target_length", 4096, "vLLM's --max-model-len"),
+        ("max_num_seqs", 8, "vLLM's --max-num-seqs"),
+        ("max_num_batched_tokens", 512, "vLLM's --max-num-batched-tokens"),
+        ("enable_prefix_caching", True, "vLLM's --enable-prefix-caching"),
+        ("num_kv_blocks", 64, "vLLM's --num-gpu-blocks-override"),
+        ("kv_cache_memory_bytes", 1 << 20, "vLLM's --kv-cache-memory-bytes"),
+        ("min_token_bucket", 16, "tpu-inference's own token padding"),
+        ("quantization", "int8w", "nothing: the CPU engine's cpu kernels read int8 weights"),
+        ("greedy_head_candidates", 64, "nothing: the runner samples from the full logits"),
+    ],
+)
+def test_vllm_overrides_may_not_set_keys_only_the_cpu_engine_applies(key, value, instead):
+  message = (
+      rf"additional_config\['maxtext_config'\] sets {key}={value!r}, which only maxtext's CPU engine applies; under"
+      rf" vLLM it would do nothing \(in its place: {re.escape(instead)}"
+  )
+  with pytest.raises(ConfigError, match=message):
     maxtext_config_from_vllm(fake_vllm_config({"model_name": "llama-tiny", key: value}))
 
 

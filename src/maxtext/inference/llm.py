@@ -9,6 +9,7 @@ error naming it. The rest of the keywords are this package's config keys.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -45,6 +46,18 @@ _VLLM_KEYWORDS = {
     "max_model_len": "max_target_length",
     "tokenizer": "tokenizer_path",
     "tensor_parallel_size": "ici_tensor_parallelism",
+}
+# The sampling fields of a Hugging Face folder's generation_config.json that vLLM takes as the model's defaults
+# (`LLM.get_default_sampling_params`), by their SamplingParams names.
+GENERATION_CONFIG_FIELDS = {
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
 }
 # vLLM's features this engine does not have: the keyword (constructor or generate) -> what it asks for.
 _REFUSED = {
@@ -122,8 +135,15 @@ class LLM:
       elif model is not None:
         keys = {**model_keys(model), **keys}
       self.cfg = load_run_config(yaml + list(argv), **keys)
+    self.default_sampling_params = default_sampling_params(self.cfg.hf_model_path)
     self.tokenizer = tokenizer_from_config(self.cfg)
     self.engine = LLMEngine(self.cfg, eos_token_id=self.tokenizer.eos_token_id)
+
+  def get_default_sampling_params(self) -> SamplingParams:
+    """What `generate` and `chat` use without SamplingParams, as vLLM's method of the same name: the sampling fields
+    of the Hugging Face folder's `generation_config.json` (`GENERATION_CONFIG_FIELDS`) over SamplingParams'
+    defaults; `SamplingParams()` for a model without one."""
+    return self.default_sampling_params
 
   def get_tokenizer(self) -> Any:
     """The tokenizer (`encode`, `decode`, `eos_token_id`, `chat_template`)."""
@@ -231,7 +251,7 @@ class LLM:
         _refuse(name, "LLM.generate")
     prompts = prompt_checks.normalize_prompts(prompts)
     if sampling_params is None:
-      sampling_params = SamplingParams()
+      sampling_params = self.default_sampling_params
     if isinstance(sampling_params, SamplingParams):
       sampling_params = [sampling_params] * len(prompts)
     if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, (str, bytes)):
@@ -440,6 +460,30 @@ class _Call:
         metrics=metrics,
         num_cached_tokens=first.num_cached_tokens,
     )
+
+
+def default_sampling_params(folder: str) -> SamplingParams:
+  """SamplingParams with the sampling fields of `folder`'s `generation_config.json` (none: no folder, no file).
+
+  Raises:
+    ValueError: the file is not a JSON object, or a field's value is out of SamplingParams' bounds (named, with the
+      file).
+  """
+  path = os.path.join(folder, "generation_config.json") if folder else ""
+  if not path or not os.path.isfile(path):
+    return SamplingParams()
+  try:
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{path}: cannot be read as JSON ({e})") from e
+  if not isinstance(config, Mapping):
+    raise ValueError(f"{path}: must hold a JSON object, got {type(config).__name__}")
+  fields = {name: config[key] for key, name in GENERATION_CONFIG_FIELDS.items() if config.get(key) is not None}
+  try:
+    return SamplingParams(**fields)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{path}: its sampling fields {fields} are not valid SamplingParams: {e}") from e
 
 
 def _children(params: SamplingParams) -> list[SamplingParams]:

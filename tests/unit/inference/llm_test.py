@@ -5,6 +5,8 @@ buffer, with float64 log-softmax rows for logprobs: none of the runner's machine
 batching, sampler) is involved in it.
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -483,3 +485,32 @@ def test_llm_takes_vllms_model_argument(tmp_path):
   small = LLM(model="qwen3-tiny", max_model_len=24, max_num_seqs=2, num_kv_blocks=16, block_size=4)
   assert (small.cfg.model_name, small.cfg.max_target_length) == ("qwen3-tiny", 24)
   assert small.get_tokenizer() is small.tokenizer
+
+
+def test_default_sampling_params_read_the_folders_generation_config(tmp_path):
+  assert llm_module.default_sampling_params("") == SamplingParams()
+  assert llm_module.default_sampling_params(str(tmp_path)) == SamplingParams()  # no generation_config.json
+  config = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7, "do_sample": True, "eos_token_id": 2}
+  (tmp_path / "generation_config.json").write_text(json.dumps(config))
+  params = llm_module.default_sampling_params(str(tmp_path))
+  assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.9, 20, 7)
+  assert (params.min_p, params.repetition_penalty, params.n) == (0.0, 1.0, 1)  # SamplingParams' defaults otherwise
+  (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 3.0}))
+  with pytest.raises(ValueError, match=r"generation_config.json: its sampling fields \{'temperature': 3.0\} are not"):
+    llm_module.default_sampling_params(str(tmp_path))
+  (tmp_path / "generation_config.json").write_text("{not json")
+  with pytest.raises(ValueError, match="generation_config.json: cannot be read as JSON"):
+    llm_module.default_sampling_params(str(tmp_path))
+  (tmp_path / "generation_config.json").write_text("[1]")
+  with pytest.raises(ValueError, match="generation_config.json: must hold a JSON object, got list"):
+    llm_module.default_sampling_params(str(tmp_path))
+
+
+def test_generate_without_sampling_params_uses_the_models_defaults(llm):
+  assert llm.get_default_sampling_params() == SamplingParams()  # the tiny model has no folder
+  before = llm.default_sampling_params
+  llm.default_sampling_params = SamplingParams(temperature=0.0, max_tokens=3)
+  try:
+    assert len(llm.generate([[40, 41]], use_tqdm=False)[0].outputs[0].token_ids) == 3
+  finally:
+    llm.default_sampling_params = before

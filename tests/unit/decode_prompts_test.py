@@ -81,6 +81,29 @@ def test_text_prompts_file_prints_each_completion_under_its_line(tmp_path, capsy
   )
 
 
+def _bars(err: str) -> list[str]:
+  """Each drawing of the decode's progress bar (tqdm redraws it in place with carriage returns)."""
+  return [part for part in err.replace("\n", "\r").split("\r") if part.startswith("generating")]
+
+
+@pytest.mark.parametrize(
+    "cap, first, last",
+    [
+        # Without max_new_tokens a request runs until eos: the bar counts the 2 requests, not 31 + 29 tokens.
+        ([], " 0/2 ", " 2/2 "),
+        # Within max_new_tokens=3 the bar counts the 3 + 3 tokens that can be generated.
+        (["max_new_tokens=3"], " 0/6 ", " 6/6 "),
+    ],
+)
+def test_a_prompts_file_bar_counts_what_will_be_done_and_ends_at_100_percent(tmp_path, capsys, cap, first, last):
+  path = tmp_path / "prompts.txt"
+  path.write_text("I\nHi t\n", encoding="utf-8")
+  assert decode.main([BASE] + RUN + [f"prompts_file={path}", *cap]) == 0
+  bars = _bars(capsys.readouterr().err)
+  assert first in bars[0], f"the bar's first total must be what the run will do ({first.strip()}), got {bars[0]!r}"
+  assert bars[-1].startswith("generating: 100%") and last in bars[-1], bars[-1]
+
+
 def test_a_malformed_line_is_reported_and_nothing_is_decoded(tmp_path, capsys, monkeypatch):
   path = tmp_path / "prompts.jsonl"
   path.write_text('{"prompt": "ok"}\n{"prompt": "also ok"}\n{"prompt": 3}\n', encoding="utf-8")

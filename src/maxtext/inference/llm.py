@@ -182,8 +182,9 @@ class LLM:
     in a list. `SamplingParams.max_tokens` is an upper bound: a request also stops when prompt + output reaches
     `max_target_length` (finish reason "length"), so a larger `max_tokens` is not an error. With `n > 1` a prompt's
     `n` sequences decode as separate requests (sharing their prompt's cached blocks with prefix caching) and come
-    back as the `outputs` of one `RequestOutput`. The progress bar counts the tokens that can actually be
-    generated, and a request that finishes early lowers its total to what was generated, so the bar ends at 100%.
+    back as the `outputs` of one `RequestOutput`. The progress bar counts the tokens that can be generated when
+    every request has a `max_tokens` below `max_target_length` (a request that finishes early lowers the total to
+    what it generated), else the finished requests; either way it ends at 100%.
     With `use_chat_template=true` in the config, string prompts are sent as one user message through the model's
     chat template (see `apply_chat_template`). `on_token(prompt index, token id)` is called for every token as soon
     as it is sampled (in step order), e.g. to stream text. When `cancel` is set (from a signal handler or another
@@ -279,9 +280,8 @@ class LLM:
     order = self.engine.add_requests([(ids, child) for _, ids, child in sequences])
     call = _Call(self, order, sequences, [text for text, _ in prepared], sampling_params)
     try:
-      with tqdm(
-          total=call.reachable_total(), desc="generating", unit="tok", file=sys.stderr, disable=not use_tqdm
-      ) as progress:
+      total, unit = call.bar_total()
+      with tqdm(total=total, desc="generating", unit=unit, file=sys.stderr, disable=not use_tqdm) as progress:
         while self.engine.has_unfinished_requests():
           if cancel is not None and cancel.is_set():
             raise KeyboardInterrupt("generate cancelled")
@@ -289,7 +289,7 @@ class LLM:
           call.record(self.engine.last_sampled, finished_now)
           if on_token is not None:
             _report_tokens(self.engine.last_sampled, call.prompt_index, on_token)
-          _advance(progress, self.engine.last_sampled, finished_now, call.reachable, call.counted)
+          call.advance(progress, self.engine.last_sampled, finished_now)
           ready = list(call.ready())
           if ready:
             progress.clear()  # the caller may write to the terminal the bar is drawn on
@@ -402,6 +402,7 @@ class _Call:
         rid: prompt_checks.num_generatable_tokens(len(ids), p.max_tokens, limit)
         for rid, (_, ids, p) in zip(order, sequences)
     }
+    self.by_tokens = all(p.max_tokens is not None and p.max_tokens < limit for _, _, p in sequences)
     self.counted = dict.fromkeys(order, 0)
     self.tokens: dict[str, list[int]] = {rid: [] for rid in order}
     self.done: dict[str, FinishedRequest] = {}
@@ -410,9 +411,21 @@ class _Call:
     self.finished_at: dict[str, float] = {}
     self.emitted = 0
 
-  def reachable_total(self) -> int:
-    """Tokens the call can generate at most (the bar's first total)."""
-    return sum(self.reachable.values())
+  def bar_total(self) -> tuple[int, str]:
+    """The progress bar's total and unit: the tokens the call can generate when every sequence has a
+    `max_tokens` below `max_target_length`, else its sequences (a run until eos has no token count to promise)."""
+    if self.by_tokens:
+      return sum(self.reachable.values()), "tok"
+    return len(self.reachable), "req"
+
+  def advance(self, progress: tqdm, sampled: Mapping[str, int], finished_now: Sequence[FinishedRequest]) -> None:
+    """Moves the bar by one step: its tokens (`_advance`), or the sequences it finished."""
+    if self.by_tokens:
+      _advance(progress, sampled, finished_now, self.reachable, self.counted)
+      return
+    _advance(_Uncounted(), sampled, finished_now, self.reachable, self.counted)
+    progress.set_postfix_str(f"{sum(self.counted.values())} tok", refresh=False)
+    progress.update(len(self.done) - progress.n)
 
   def record(self, sampled: Mapping[str, int], finished_now: Sequence[FinishedRequest]) -> None:
     """Takes one step's tokens and finished requests; finishes a request whose text now holds a stop string."""
@@ -515,8 +528,18 @@ def _dict_prompt(prompt: Mapping[str, Any], where: str) -> Any:
   return prompt[keys.pop()]
 
 
+class _Uncounted:
+  """What `_advance` needs of a bar, for counting tokens without one."""
+
+  total = n = 0
+
+  def update(self, n: int) -> None:
+    """Counts `n` more, as tqdm does."""
+    self.n += n
+
+
 def _advance(
-    progress: tqdm,
+    progress: tqdm | _Uncounted,
     sampled: Mapping[str, int],
     finished_now: Sequence[FinishedRequest],
     reachable: dict[str, int],

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from maxtext import decode
+from maxtext.configs import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -123,3 +124,16 @@ def test_the_reliability_page_names_test_files_that_exist():
   assert {"gguf_test.py", "gguf_format_test.py", "cli_faults_test.py"} <= names, names  # GGUF faults are covered
   existing = {path.name for path in (ROOT / "tests").rglob("*_test.py")}
   assert names <= existing, sorted(names - existing)
+
+
+def test_every_key_the_help_names_is_a_config_key(capsys, monkeypatch):
+  monkeypatch.chdir(ROOT)  # the examples' configs/base.yml is relative to the checkout
+  lines = _help_text(capsys)
+  text = "\n".join(lines).replace("\\\n", " ")
+  examples = [line.strip() for line in text.splitlines() if line.strip().startswith("maxtext-decode ")]
+  assert len(examples) >= 4, examples
+  for line in examples:
+    load_config(shlex.split(line, comments=True)[1:])  # an unknown key or a bad value raises, naming it
+  named = set(re.findall(r"(?<![\w-])([a-z][a-z_]+)=", text)) - {"key"}  # the usage line's `key=value`
+  unknown = sorted(named - set(load_config([str(ROOT / "configs" / "base.yml")]).keys()))
+  assert not unknown, f"maxtext-decode --help names keys configs/base.yml does not have: {unknown}"

@@ -336,6 +336,21 @@ def test_the_progress_bar_ends_at_100_percent_when_requests_stop_early(llm, caps
   assert drawn.startswith("generating: 100%") and f" {generated}/{generated} " in drawn, drawn
 
 
+def _bars(err: str) -> list[str]:
+  return [part for part in err.replace("\n", "\r").split("\r") if part.startswith("generating")]
+
+
+@pytest.mark.parametrize("max_tokens", [None, 32, 10**8])  # no bound of its own, or none below max_target_length
+def test_a_call_without_a_token_bound_counts_requests_from_its_first_drawing(llm, capsys, max_tokens):
+  params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+  outputs = llm.generate([[100, 101, 102], [40, 41], [7] * 20], params, use_tqdm=True)
+  generated = sum(len(out.outputs[0].token_ids) for out in outputs)
+  bars = _bars(capsys.readouterr().err)
+  # max_target_length=32 leaves 29 + 30 + 12 = 71 reachable tokens; a bar of tokens would promise those.
+  assert bars[0].startswith("generating:   0%") and " 0/3 " in bars[0], bars[0]
+  assert bars[-1].startswith("generating: 100%") and " 3/3 " in bars[-1] and f"{generated} tok" in bars[-1], bars[-1]
+
+
 @pytest.mark.slow
 def test_seeded_sampling_is_reproducible_across_engines_and_batches():
   prompt = [200, 201, 202, 203]

@@ -380,13 +380,26 @@ def run_maxtext(
       out["batches"][str(batch)]["paired"] = rounds
   if agreement_ids and not first_call_only:
     del llm  # one model in memory at a time
-    longest = max(map(len, agreement_ids)) + new_tokens
+    longest = max(map(len, agreement_ids)) + new_tokens + 1  # + 1: the scoring pass below generates one token
     llm = LLM(argv=overrides, max_num_seqs=1, max_target_length=longest, compilation_cache_dir=cache_dir, **source)
     llm.engine.scheduler.eos_token_id = None
     out["agreement_tokens"] = [
         peers_module.output_tokens(llm.generate([list(i)], params, use_tqdm=False))[0] for i in agreement_ids
     ]
+    out["agreement_logprobs"] = [
+        scored_logprobs(llm, list(i), tokens) for i, tokens in zip(agreement_ids, out["agreement_tokens"])
+    ]
   return out
+
+
+def scored_logprobs(llm: Any, prompt_ids: list[int], tokens: list[int]) -> list[float]:
+  """Each of `tokens`' log-probability after `prompt_ids` and the tokens before it, under `llm`'s model: its prompt
+  log-probabilities over prompt + tokens (the whole-head logits, whatever path the greedy pick took)."""
+  from maxtext.inference import SamplingParams
+
+  params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+  (out,) = llm.generate([prompt_ids + tokens], params, use_tqdm=False)
+  return [out.prompt_logprobs[len(prompt_ids) + k][t].logprob for k, t in enumerate(tokens)]
 
 
 # pylint: enable=import-outside-toplevel

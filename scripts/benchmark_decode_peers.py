@@ -221,26 +221,48 @@ def leading_agreement(tokens: Sequence[int], reference: Sequence[int]) -> int:
 
 def agreement_rows(model: str, results: dict[str, Any], reference: str = "maxtext") -> list[dict[str, Any]]:
   """Per peer other than `reference` with `agreement_tokens`: the leading greedy tokens equal to the reference's
-  on each agreement prompt (`counts`) and their sum; none when the reference has no agreement tokens."""
+  on each agreement prompt (`counts`) and their sum; none when the reference has no agreement tokens.
+
+  With `agreement_logprobs` on both sides (this package's peers score their own tokens), `max_dlogprob` and
+  `mean_dlogprob` are the largest and the mean |difference| of the two log-probabilities over the leading tokens
+  they agree on (None otherwise): how far a compact form's model is from float32's where their paths coincide.
+  """
   reference_tokens = results.get(reference, {}).get("agreement_tokens")
   if not reference_tokens:
     return []
+  reference_logprobs = results[reference].get("agreement_logprobs")
   rows = []
   for peer, result in results.items():
     if peer != reference and result.get("agreement_tokens"):
       counts = [leading_agreement(t, r) for t, r in zip(result["agreement_tokens"], reference_tokens)]
-      rows.append({"model": model, "peer": peer, "reference": reference, "counts": counts, "sum": sum(counts)})
+      row = {"model": model, "peer": peer, "reference": reference, "counts": counts, "sum": sum(counts)}
+      row["max_dlogprob"] = row["mean_dlogprob"] = None
+      logprobs = result.get("agreement_logprobs")
+      if logprobs and reference_logprobs:
+        diffs = [abs(a - b) for n, x, y in zip(counts, logprobs, reference_logprobs) for a, b in zip(x[:n], y[:n])]
+        if diffs:
+          row["max_dlogprob"], row["mean_dlogprob"] = max(diffs), sum(diffs) / len(diffs)
+      rows.append(row)
   return rows
 
 
 def format_agreement(rows: Sequence[dict[str, Any]], new_tokens: int) -> str:
-  """The greedy agreement table of `agreement_rows`."""
-  header = f"{'model':<11} {'peer':<18} {'leading tokens = ' + rows[0]['reference'] + ' (float32), per prompt':<48} sum"
+  """The greedy agreement table of `agreement_rows` (`-` where a peer has no log-probabilities)."""
+  header = (
+      f"{'model':<11} {'peer':<18} {'leading tokens = ' + rows[0]['reference'] + ' (float32), per prompt':<48}"
+      f" {'sum':<11} {'max|dlp|':>8} {'mean|dlp|':>9}"
+  )
   lines = [header, "-" * len(header)]
   for row in rows:
     counts = "[" + ", ".join(str(c) for c in row["counts"]) + "]"
-    lines.append(f"{row['model']:<11} {row['peer']:<18} {counts:<48} {row['sum']} / {new_tokens * len(row['counts'])}")
+    total = f"{row['sum']} / {new_tokens * len(row['counts'])}"
+    worst, mean = (_cell_float(row.get(k)) for k in ("max_dlogprob", "mean_dlogprob"))
+    lines.append(f"{row['model']:<11} {row['peer']:<18} {counts:<48} {total:<11} {worst:>8} {mean:>9}")
   return "\n".join(lines)
+
+
+def _cell_float(value: float | None) -> str:
+  return "-" if value is None else f"{value:.4f}"
 
 
 def time_decode_steps(engine: Any) -> list[float]:

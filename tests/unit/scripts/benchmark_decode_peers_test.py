@@ -117,7 +117,23 @@ def test_agreement_rows_count_each_peer_against_float32_and_sum_them():
   }
   rows = peers.agreement_rows("gemma3-270m", results)
   assert [(r["peer"], r["counts"], r["sum"]) for r in rows] == [("maxtext:bfloat16", [3, 1], 4), ("llamacpp", [0, 3], 3)]
+  assert [(r["max_dlogprob"], r["mean_dlogprob"]) for r in rows] == [(None, None)] * 2  # no logprobs given
   lines = peers.format_agreement(rows, 3).splitlines()
   assert lines[0].split()[:4] == ["model", "peer", "leading", "tokens"]
-  assert lines[2].split() == ["gemma3-270m", "maxtext:bfloat16", "[3,", "1]", "4", "/", "6"]
+  assert lines[2].split() == ["gemma3-270m", "maxtext:bfloat16", "[3,", "1]", "4", "/", "6", "-", "-"]
+
+
+def test_agreement_rows_compare_log_probabilities_over_the_agreed_tokens_only():
+  peers = _load_peers()
+  results = {
+      "maxtext": {"agreement_tokens": [[1, 2, 3], [4, 5, 6]], "agreement_logprobs": [[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]]},
+      # Agrees on 3 then 1 tokens: the diffs read are 0.5, 0.0, 0.25 and 0.125; the 9.0 after the split is not.
+      "maxtext:int8w": {"agreement_tokens": [[1, 2, 3], [4, 9, 6]], "agreement_logprobs": [[-1.5, -2.0, -3.25], [-1.125, -9.0, -1.0]]},
+      "llamacpp": {"agreement_tokens": [[1, 2, 3], [4, 5, 6]]},
+  }
+  int8w, llamacpp = peers.agreement_rows("smollm2", results)
+  assert int8w["max_dlogprob"] == 0.5 and int8w["mean_dlogprob"] == (0.5 + 0.0 + 0.25 + 0.125) / 4
+  assert llamacpp["max_dlogprob"] is None
+  line = peers.format_agreement([int8w, llamacpp], 3).splitlines()[2]
+  assert line.split()[-2:] == ["0.5000", "0.2188"]
   assert peers.agreement_rows("gemma3-270m", {"maxtext": {"error": "x"}, "llamacpp": results["llamacpp"]}) == []

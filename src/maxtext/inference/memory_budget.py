@@ -4,7 +4,10 @@ Before anything is allocated, the engine adds four figures, all from abstract sh
 
   - the parameters as loaded (the abstract model's shapes in `weight_dtype`) and as kept once the kernel backend has
     laid them out (`prepare_params` on the abstract model: `quantization=int8w`'s int8 panels, a tied head's int8 or
-    int4 copy); a load holds the first form whole before it is laid out, so the larger of the two counts;
+    int4 copy); a load holds the first form whole before it is laid out, so the larger of the two counts, and on top
+    of it the larger of two transients: the tensors the backend re-lays, held in both layouts until the layout is
+    done (a start from the weight cache copies them out of the file's mapping, the same bytes again), and the
+    checkpoint's files, mapped while they are read (a GGUF file, a folder's safetensors);
   - the KV caches and recurrent states (the layout `dry_run=true` prints);
   - the activations of the largest step: `max_num_batched_tokens` (padded) rows of the residual stream, the attention
     projections and the widest MLP, and the logits of every request row (`activation_bytes`);
@@ -20,6 +23,7 @@ run that passes can still be short of memory when the margin is thin.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -71,17 +75,23 @@ class MemoryNeed:
     kept_param_bytes: the parameters once the kernel backend has laid them out (what the run keeps).
     cache_bytes: the KV caches and recurrent states.
     activation_bytes: the largest step's activations (`activation_bytes`).
+    relaid_param_bytes: the bytes the kernel backend re-lays (`prepare_params`' count).
+    checkpoint_file_bytes: the checkpoint files a load maps (`checkpoint_file_bytes`).
   """
 
   load_param_bytes: int
   kept_param_bytes: int
   cache_bytes: int
   activation_bytes: int
+  relaid_param_bytes: int = 0
+  checkpoint_file_bytes: int = 0
 
   @property
   def param_bytes(self) -> int:
-    """The parameters' peak: the larger of the loaded and the kept form."""
-    return max(self.load_param_bytes, self.kept_param_bytes)
+    """The parameters' peak: the larger of the loaded and the kept form, and the larger transient beside it (the
+    re-laid tensors' second layout, or the checkpoint's mapped files)."""
+    transient = max(self.relaid_param_bytes, self.checkpoint_file_bytes)
+    return max(self.load_param_bytes, self.kept_param_bytes) + transient
 
   @property
   def total_bytes(self) -> int:
@@ -109,18 +119,36 @@ def _state_bytes(model: nnx.Module) -> int:
   return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
 
 
-def param_figures(cfg: ml_collections.FrozenConfigDict) -> tuple[int, int]:
-  """(bytes of the parameters in `weight_dtype`, bytes once the kernel backend of `cfg` has laid them out), from one
-  abstract model (`prepare_params` on it: shapes only)."""
+def param_figures(cfg: ml_collections.FrozenConfigDict) -> tuple[int, int, int]:
+  """(bytes of the parameters in `weight_dtype`, bytes once the kernel backend of `cfg` has laid them out, bytes it
+  re-laid), from one abstract model (`prepare_params` on it: shapes only)."""
   model = abstract_model(cfg)
   loaded = _state_bytes(model)
-  kernel_backends.get_backend(backend_name(cfg), None, cfg).prepare_params(model)
-  return loaded, _state_bytes(model)
+  relaid = kernel_backends.get_backend(backend_name(cfg), None, cfg).prepare_params(model)
+  return loaded, _state_bytes(model), int(relaid)
 
 
 def kept_param_bytes(cfg: ml_collections.FrozenConfigDict) -> int:
   """Bytes of the parameters once the kernel backend of `cfg` has laid them out."""
   return param_figures(cfg)[1]
+
+
+def checkpoint_file_bytes(cfg: ml_collections.FrozenConfigDict) -> int:
+  """Bytes of the checkpoint files a load maps into memory: the GGUF file (`gguf_model_path`), else the folder's
+  `*.safetensors` (`hf_model_path`); 0 for an Orbax checkpoint (read into arrays), random weights or a missing
+  file (the load reports that)."""
+  paths = []
+  if cfg["gguf_model_path"]:
+    paths = [os.path.expanduser(cfg["gguf_model_path"])]
+  elif cfg["hf_model_path"] and not cfg["load_parameters_path"]:
+    folder = os.path.expanduser(cfg["hf_model_path"])
+    with contextlib.suppress(OSError):
+      paths = [os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".safetensors")]
+  total = 0
+  for path in paths:
+    with contextlib.suppress(OSError):
+      total += os.path.getsize(path)
+  return total
 
 
 def cache_bytes(cfg: ml_collections.FrozenConfigDict) -> int:
@@ -148,8 +176,9 @@ def activation_bytes(cfg: ml_collections.FrozenConfigDict) -> int:
 
 
 def memory_need(cfg: ml_collections.FrozenConfigDict) -> MemoryNeed:
-  """The parameter (loaded and kept), cache and activation bytes of `cfg`."""
-  return MemoryNeed(*param_figures(cfg), cache_bytes(cfg), activation_bytes(cfg))
+  """The parameter (loaded, kept, re-laid), cache, activation and checkpoint-file bytes of `cfg`."""
+  loaded, kept, relaid = param_figures(cfg)
+  return MemoryNeed(loaded, kept, cache_bytes(cfg), activation_bytes(cfg), relaid, checkpoint_file_bytes(cfg))
 
 
 def _weights(cfg: ml_collections.FrozenConfigDict) -> str:
@@ -162,12 +191,12 @@ def _kept_form(cfg: ml_collections.FrozenConfigDict) -> str:
 
 
 def format_need(cfg: ml_collections.FrozenConfigDict, need: MemoryNeed) -> str:
-  """One line for `dry_run=true`: the parameters' bytes as loaded and as kept, the activations', and with the
-  caches the run's."""
+  """One line for `dry_run=true`: the parameters' bytes as loaded, as kept and at the loading peak, the activations',
+  and with the caches the run's."""
   return (
       f"parameters: {need.load_param_bytes} bytes ({cfg.weight_dtype} weights, {_weights(cfg)}), kept as"
-      f" {need.kept_param_bytes} bytes ({_kept_form(cfg)}); activations: {need.activation_bytes} bytes; in all, with the"
-      f" KV caches: {need.total_bytes} bytes"
+      f" {need.kept_param_bytes} bytes ({_kept_form(cfg)}), at most {need.param_bytes} bytes while loading;"
+      f" activations: {need.activation_bytes} bytes; in all, with the KV caches: {need.total_bytes} bytes"
   )
 
 
@@ -267,7 +296,8 @@ def _what_to_change(cfg: ml_collections.FrozenConfigDict, need: MemoryNeed, avai
       values = config_to_dict(cfg)
       values.update(weight_dtype="bfloat16")
       compact = ml_collections.FrozenConfigDict(values)
-      bf16 = max(param_figures(compact))
+      loaded, kept, relaid = param_figures(compact)
+      bf16 = MemoryNeed(loaded, kept, 0, 0, relaid, need.checkpoint_file_bytes).param_bytes
       advice.append(f"weight_dtype=bfloat16 (parameters {format_bytes(bf16)})")
     advice.append("a smaller model")
   room = available - fixed
@@ -305,12 +335,12 @@ def check_fits(cfg: ml_collections.FrozenConfigDict, environ: Mapping[str, str] 
         f" {format_bytes(need.activation_bytes)}) but {format_bytes(available[0])} is available ({available[1]});"
         f" use {_what_to_change(cfg, need, available[0])}; memory_check=false runs it anyway"
     )
-  if not source.names_checkpoint(cfg) and need.param_bytes > RANDOM_WEIGHTS_WARNING_BYTES:
+  if not source.names_checkpoint(cfg) and need.load_param_bytes > RANDOM_WEIGHTS_WARNING_BYTES:
     logger.warning(
         "%s names no checkpoint: building %s of random %s weights (give hf_model_path, gguf_model_path or"
         " load_parameters_path for real ones)",
         _run_name(cfg),
-        format_bytes(need.param_bytes),
+        format_bytes(need.load_param_bytes),
         cfg.weight_dtype,
     )
   return need

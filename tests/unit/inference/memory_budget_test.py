@@ -62,13 +62,17 @@ def test_int8w_weights_are_counted_as_kept():
   # embedding gets an int8 copy of its table for a tied head.
   kept = 512 * 64 * 2 + _NORMS * 2 + 4 * layer + _int8_panel_bytes(64, 512) + _int8_panel_bytes(64, 512)
   assert (need.load_param_bytes, need.kept_param_bytes) == (2 * 213568, kept) == (427136, 306304)
-  assert need.param_bytes == 427136  # the load holds the bfloat16 form whole before it is laid out
+  # The load holds the bfloat16 form whole before it is laid out, and the re-laid tensors in both forms at the peak.
+  assert need.relaid_param_bytes == 4 * layer + 2 * _int8_panel_bytes(64, 512)
+  assert need.param_bytes == 427136 + need.relaid_param_bytes
 
 
 def test_the_tiny_hybrid_models_figures_are_the_dry_runs():
   need = memory_budget.memory_need(load_config(**TINY))
-  assert (need.param_bytes, need.cache_bytes, need.activation_bytes) == (2581760, 17212672, 1081344)
-  assert need.total_bytes == 20875776
+  assert (need.load_param_bytes, need.cache_bytes, need.activation_bytes) == (2581760, 17212672, 1081344)
+  # What the cpu backend re-lays, counted on the abstract model, is what it re-lays on the built one.
+  assert need.relaid_param_bytes == LLM(**TINY).engine.prepared_bytes == 1376256
+  assert need.param_bytes == 2581760 + 1376256 and need.total_bytes == 22252032
 
 
 def test_the_environment_variable_overrides_and_is_checked():
@@ -148,16 +152,16 @@ def test_a_run_that_cannot_fit_is_refused_with_the_figures_and_what_to_change():
   with pytest.raises(memory_budget.InsufficientMemoryError) as raised:
     memory_budget.check_fits(cfg, {"MAXTEXT_MEMORY_LIMIT_BYTES": "15000000"})
   assert str(raised.value) == (
-      "model_name=qwen3-next-tiny needs 19.91 MiB (parameters 2.46 MiB: float32, random, no checkpoint; KV caches"
+      "model_name=qwen3-next-tiny needs 21.22 MiB (parameters 3.77 MiB: float32, random, no checkpoint; KV caches"
       " 16.42 MiB; activations 1.03 MiB) but 14.31 MiB is available (MAXTEXT_MEMORY_LIMIT_BYTES); use a KV cache"
-      " within the 10.81 MiB left (kv_cache_memory_bytes=11336896 or less, with a max_target_length it holds; fewer"
+      " within the 9.50 MiB left (kv_cache_memory_bytes=9960640 or less, with a max_target_length it holds; fewer"
       " max_num_seqs for recurrent states); memory_check=false runs it anyway"
   )
-  assert 15000000 - 2581760 - 1081344 == 11336896
+  assert 15000000 - (2581760 + 1376256) - 1081344 == 9960640
   assert isinstance(raised.value, ConfigError)  # the CLI's one-line error, exit 2
-  with pytest.raises(memory_budget.InsufficientMemoryError, match=r"use weight_dtype=bfloat16 \(parameters 1.23 MiB\)"):
+  with pytest.raises(memory_budget.InsufficientMemoryError, match=r"use weight_dtype=bfloat16 \(parameters 1.89 MiB\)"):
     memory_budget.check_fits(cfg, {"MAXTEXT_MEMORY_LIMIT_BYTES": "2000000"})
-  assert memory_budget.check_fits(cfg, {"MAXTEXT_MEMORY_LIMIT_BYTES": "20875776"}).total_bytes == 20875776
+  assert memory_budget.check_fits(cfg, {"MAXTEXT_MEMORY_LIMIT_BYTES": "22252032"}).total_bytes == 22252032
   bf16 = load_config(**TINY, weight_dtype="bfloat16")
   with pytest.raises(memory_budget.InsufficientMemoryError, match=r"\); use a smaller model; memory_check=false"):
     memory_budget.check_fits(bf16, {"MAXTEXT_MEMORY_LIMIT_BYTES": "2000000"})
@@ -165,7 +169,7 @@ def test_a_run_that_cannot_fit_is_refused_with_the_figures_and_what_to_change():
 
 def test_memory_check_false_runs_a_run_that_does_not_fit():
   cfg = load_config(**TINY, memory_check=False)
-  assert memory_budget.check_fits(cfg, {"MAXTEXT_MEMORY_LIMIT_BYTES": "1000"}).total_bytes == 20875776
+  assert memory_budget.check_fits(cfg, {"MAXTEXT_MEMORY_LIMIT_BYTES": "1000"}).total_bytes == 22252032
 
 
 def test_random_weights_above_the_threshold_are_warned_about(monkeypatch, caplog):
@@ -183,5 +187,21 @@ def test_random_weights_above_the_threshold_are_warned_about(monkeypatch, caplog
 
 def test_the_engine_refuses_before_it_allocates(monkeypatch):
   monkeypatch.setenv("MAXTEXT_MEMORY_LIMIT_BYTES", "15000000")
-  with pytest.raises(memory_budget.InsufficientMemoryError, match="needs 19.91 MiB"):
+  with pytest.raises(memory_budget.InsufficientMemoryError, match="needs 21.22 MiB"):
     LLM(**TINY)
+
+
+def test_checkpoint_files_count_the_gguf_file_or_the_folders_safetensors(tmp_path):
+  (tmp_path / "model-1.safetensors").write_bytes(b"x" * 100)
+  (tmp_path / "model-2.safetensors").write_bytes(b"x" * 50)
+  (tmp_path / "config.json").write_bytes(b"{}" * 40)
+  gguf = tmp_path / "m.gguf"
+  gguf.write_bytes(b"x" * 70)
+  keys = {"gguf_model_path": "", "hf_model_path": "", "load_parameters_path": ""}
+  assert memory_budget.checkpoint_file_bytes({**keys, "hf_model_path": str(tmp_path)}) == 150
+  assert memory_budget.checkpoint_file_bytes({**keys, "gguf_model_path": str(gguf)}) == 70
+  assert memory_budget.checkpoint_file_bytes({**keys, "gguf_model_path": str(tmp_path / "missing.gguf")}) == 0
+  orbax = {**keys, "hf_model_path": str(tmp_path), "load_parameters_path": "/ckpt"}  # read into arrays, not mapped
+  assert memory_budget.checkpoint_file_bytes(orbax) == 0 and memory_budget.checkpoint_file_bytes(keys) == 0
+  need = memory_budget.MemoryNeed(1000, 800, 10, 1, relaid_param_bytes=300, checkpoint_file_bytes=500)
+  assert need.param_bytes == 1000 + 500 and need.total_bytes == 1511  # the larger transient over the larger form

@@ -267,9 +267,9 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_in_one_line_before_anything_
   out, err = proc.communicate(timeout=300)
   assert (proc.returncode, out) == (2, ""), err
   assert err.splitlines() == [
-      "maxtext-decode: error: model_name=qwen3-next-tiny needs 19.91 MiB (parameters 2.46 MiB: float32, random, no"
+      "maxtext-decode: error: model_name=qwen3-next-tiny needs 21.22 MiB (parameters 3.77 MiB: float32, random, no"
       " checkpoint; KV caches 16.42 MiB; activations 1.03 MiB) but 14.31 MiB is available"
-      " (MAXTEXT_MEMORY_LIMIT_BYTES); use a KV cache within the 10.81 MiB left (kv_cache_memory_bytes=11336896 or"
+      " (MAXTEXT_MEMORY_LIMIT_BYTES); use a KV cache within the 9.50 MiB left (kv_cache_memory_bytes=9960640 or"
       " less, with a max_target_length it holds; fewer max_num_seqs for recurrent states); memory_check=false runs"
       " it anyway"
   ]

@@ -119,7 +119,9 @@ BLOCKS: dict[tuple[str, str], Check] = {
     ("docs/benchmarks.md", "24 greedy requests"): Check(SAMPLE, "title and header against a --quick run"),
     ("docs/benchmarks.md", "python scripts/benchmark_prefix_caching.py"): Check(STATIC, "minutes: script checked"),
     ("docs/benchmarks.md", "8 requests sharing"): Check(SAMPLE, "title and header against a --quick run"),
-    ("docs/benchmarks.md", "gemma3-270m maxtext              1"): Check(SAMPLE, "header against a --quick run"),
+    ("docs/benchmarks.md", "gemma3-270m llamacpp           [15, 1, 53]"): Check(SAMPLE, "header against a --quick run"),
+    ("docs/benchmarks.md", "--batches 1 --repeats 1"): Check(STATIC, "minutes on two real models: flags checked"),
+    ("docs/benchmarks.md", "smollm2     maxtext:int8w      [64, 3, 4]"): Check(SAMPLE, "header against a --quick run"),
     ("docs/benchmarks.md", "scripts/benchmark_startup.py [--model"): Check(
         STATIC, "builds llama.cpp and starts many processes: scripts and flags checked"
     ),
@@ -513,7 +515,12 @@ _NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?")
 TABLES = {
     "smollm2     maxtext              8": ("benchmark_decode.py", "--peers maxtext --models llama --batches 1", False),
     "gemma3      maxtext          1": ("benchmark_decode.py", "--peers maxtext --models llama --batches 1", False),
-    "gemma3-270m maxtext              1": ("benchmark_decode.py", "--peers maxtext --models llama --batches 1", False),
+    "gemma3-270m llamacpp           [15, 1, 53]": ("benchmark_decode.py", "--peers maxtext --models llama --batches 1", False),
+    "smollm2     maxtext:int8w      [64, 3, 4]": (
+        "benchmark_decode.py",
+        "--peers maxtext --models llama --batches 1",
+        False,
+    ),
     "8 MoE layers": ("benchmark_moe.py", "", True),
     "backend: cpu, 5 timed steps": ("benchmark_remap.py", "", True),
     "24 layers (5 sliding : 1 full)": ("benchmark_metadata.py", "", True),

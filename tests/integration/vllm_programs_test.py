@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 VLLM_IMPORT = "from vllm import LLM, SamplingParams"
 OUR_IMPORT = "from maxtext.inference import LLM, SamplingParams"
 
-BASIC = '''
+BASIC = """
 from vllm import LLM, SamplingParams
 
 # Sample prompts.
@@ -48,9 +48,9 @@ def main():
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
-CHAT = '''
+CHAT = """
 from vllm import LLM, SamplingParams
 
 llm = LLM(model="meta-llama/Meta-Llama-3-8B-Instruct")
@@ -75,7 +75,7 @@ for output in outputs:
     prompt = output.prompt
     generated_text = output.outputs[0].text
     print(f"Prompt: {prompt!r}, Generated text: {generated_text!r}")
-'''
+"""
 
 MODELS = ("facebook/opt-125m", "meta-llama/Meta-Llama-3-8B-Instruct")
 

@@ -33,7 +33,13 @@ VLLM_ONLY_REQUEST_FIELDS = {
     "num_cache_creation_tokens",
     "prompt_token_id_logprobs",
 }
-VLLM_ONLY_COMPLETION_FIELDS = {"lora_request", "routed_experts", "sampling_mask", "spec_decode_metrics", "weight_versions"}
+VLLM_ONLY_COMPLETION_FIELDS = {
+    "lora_request",
+    "routed_experts",
+    "sampling_mask",
+    "spec_decode_metrics",
+    "weight_versions",
+}
 
 
 def _main_python() -> str:

@@ -373,7 +373,9 @@ class LLMEngine:
     self.stats.prefix_cache_hits = self.scheduler.prefix_cache_hits
     self.stats.peak_running_requests = max(self.stats.peak_running_requests, len(out.scheduled))
     self.stats.peak_kv_blocks = self.manager.peak_used_blocks
-    self._count_time(time.perf_counter() - start, step_programs.compile_seconds_in_this_thread() - compile_before, sampled)
+    self._count_time(
+        time.perf_counter() - start, step_programs.compile_seconds_in_this_thread() - compile_before, sampled
+    )
     return aborted + [self._finished(r) for r in finished]
 
   def _count_time(self, elapsed: float, compile_s: float, sampled: dict[str, int]) -> None:

@@ -515,7 +515,11 @@ _NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?")
 TABLES = {
     "smollm2     maxtext              8": ("benchmark_decode.py", "--peers maxtext --models llama --batches 1", False),
     "gemma3      maxtext          1": ("benchmark_decode.py", "--peers maxtext --models llama --batches 1", False),
-    "gemma3-270m llamacpp           [15, 1, 53]": ("benchmark_decode.py", "--peers maxtext --models llama --batches 1", False),
+    "gemma3-270m llamacpp           [15, 1, 53]": (
+        "benchmark_decode.py",
+        "--peers maxtext --models llama --batches 1",
+        False,
+    ),
     "smollm2     maxtext:int8w      [64, 3, 4]": (
         "benchmark_decode.py",
         "--peers maxtext --models llama --batches 1",

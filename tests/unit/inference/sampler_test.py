@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from maxtext.inference import SamplingParams
-from maxtext.inference import sampler
-from maxtext.inference.sampler import Sampler, TokenHistory, filtered_probs, processed_logits
+from maxtext.inference.sampler import Sampler, TokenHistory, filtered_probs, processed_logits, top_ids
 
 
 def _reference_kept(logits, temperature, top_k, top_p):
@@ -159,4 +158,4 @@ def test_top_ids_are_the_k_largest_with_ties_to_the_lower_id(np_rng, k):
   values = np.round(np_rng.normal(size=8), 1)  # rounding makes ties
   values[[2, 5]] = values.max()
   expected = sorted(range(8), key=lambda i: (-values[i], i))[:k]
-  assert sampler.top_ids(values, k).tolist() == expected
+  assert top_ids(values, k).tolist() == expected

@@ -126,9 +126,15 @@ def test_agreement_rows_count_each_peer_against_float32_and_sum_them():
 def test_agreement_rows_compare_log_probabilities_over_the_agreed_tokens_only():
   peers = _load_peers()
   results = {
-      "maxtext": {"agreement_tokens": [[1, 2, 3], [4, 5, 6]], "agreement_logprobs": [[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]]},
+      "maxtext": {
+          "agreement_tokens": [[1, 2, 3], [4, 5, 6]],
+          "agreement_logprobs": [[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]],
+      },
       # Agrees on 3 then 1 tokens: the diffs read are 0.5, 0.0, 0.25 and 0.125; the 9.0 after the split is not.
-      "maxtext:int8w": {"agreement_tokens": [[1, 2, 3], [4, 9, 6]], "agreement_logprobs": [[-1.5, -2.0, -3.25], [-1.125, -9.0, -1.0]]},
+      "maxtext:int8w": {
+          "agreement_tokens": [[1, 2, 3], [4, 9, 6]],
+          "agreement_logprobs": [[-1.5, -2.0, -3.25], [-1.125, -9.0, -1.0]],
+      },
       "llamacpp": {"agreement_tokens": [[1, 2, 3], [4, 5, 6]]},
   }
   int8w, llamacpp = peers.agreement_rows("smollm2", results)

@@ -738,9 +738,9 @@ class KVCacheManager:
 
     A group that keeps every block needs `cdiv(num_tokens, block_size)` blocks; a sliding-window group at most
     the blocks one window spans, `cdiv(W - 1, block_size) + 1` (what a decode holds; a prefill chunk holds more
-    for one step, checked when it is scheduled); recurrent groups hold no blocks. Blocks the request holds count
-    as held; a request holding none counts its prefix hit's blocks that other requests hold (the free cached ones
-    it would take back come out of the free blocks too).
+    for one step: `window_spill_blocks`); recurrent groups hold no blocks. Blocks the request holds count as held;
+    a request holding none counts its prefix hit's blocks that other requests hold (the free cached ones it would
+    take back come out of the free blocks too).
     """
     tables = self._tables.get(request_id)
     total = 0
@@ -757,6 +757,16 @@ class KVCacheManager:
         held = 0
       total += max(0, target - held)
     return total
+
+  def window_spill_blocks(self, num_tokens: int, num_requests: int) -> int:
+    """The most blocks sliding-window groups hold beyond `blocks_to_grow`'s window in one step of `num_tokens`
+    tokens over `num_requests` requests: a chunk of n tokens reaches at most `cdiv(n, block_size)` blocks past
+    its window, so per group `cdiv(num_tokens, block_size) + num_requests` in all (0 without sliding windows)."""
+    return sum(
+        cdiv(num_tokens, self.groups[gid].block_size) + num_requests
+        for gid in self.attention_group_ids
+        if self.groups[gid].sliding_window
+    )
 
   def _request_tables(self, request_id: str) -> dict[int, list[int]]:
     if request_id not in self._tables:

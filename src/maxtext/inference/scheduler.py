@@ -252,7 +252,9 @@ class Scheduler:
       computed = hit.num_tokens if hit is not None else 0
       n = self.kv_cache_manager.schedulable_tokens(computed, min(request.num_tokens - computed, budget))
       if self.admission_reserve == RESERVE_MAX_TOKENS and self.running:
-        need = reserve + self._growth(request, hit if computed else None)
+        # A step's prefill chunks may hold blocks beyond the sliding windows for that step: one allowance for all.
+        spill = self.kv_cache_manager.window_spill_blocks(self.max_num_batched_tokens, len(self.running) + 1)
+        need = reserve + self._growth(request, hit if computed else None) + spill
         if need > self.kv_cache_manager.num_free_blocks():
           logger.debug("request %s waits: %d blocks may still be taken, fewer are free", request.request_id, need)
           return

@@ -387,6 +387,10 @@ def test_blocks_to_grow_counts_full_groups_to_the_end_and_sliding_groups_to_a_wi
   manager.free("a")
   # ... but once they are free (cached, evictable) taking them back uses free blocks too.
   assert manager.blocks_to_grow("b", 15, hit) == 4 + 2 * 3
+  # A step of 16 tokens over 3 requests reaches at most 16 / 4 + 3 blocks past the windows, in each sliding group.
+  assert manager.window_spill_blocks(16, 3) == 2 * (4 + 3) and manager.window_spill_blocks(1, 1) == 2 * (1 + 1)
+  plain = configs["llama"](block_size=4)
+  assert KVCacheManager(plain, *make_specs(plain)).window_spill_blocks(16, 3) == 0
 
 
 def test_admission_reserve_must_be_a_known_rule(configs, make_specs):

@@ -267,6 +267,14 @@ _DECLARED = (
     ),
     _key("max_num_seqs", int, RUNTIME, "requests per step", bound=POSITIVE),
     _key("max_num_batched_tokens", int, RUNTIME, "token budget per step (chunked prefill beyond it)", bound=POSITIVE),
+    _key(
+        "admission_reserve",
+        str,
+        RUNTIME,
+        "admit a waiting request when the free blocks cover: none = its blocks for this step (vLLM) | max_tokens ="
+        " also every running request's and its own growth up to max_tokens",
+        choices=("none", "max_tokens"),
+    ),
     _key("min_token_bucket", int, RUNTIME, "smallest padded token count of a step (a power of two)", bound=POSITIVE),
     _key("max_target_length", int, RUNTIME, "longest prompt + generation per request", bound=POSITIVE),
     _key(

@@ -61,6 +61,7 @@ class EngineStats:
   generated_tokens: int = 0
   scheduled_tokens: int = 0
   preemptions: int = 0
+  recomputed_tokens: int = 0
   aborted_requests: int = 0
   overlapped_steps: int = 0
   wall_time_s: float = 0.0
@@ -86,7 +87,9 @@ class EngineStats:
     host (`overlap_decode_steps`). `prefix_cache_queries` / `prefix_cache_hits` count tokens looked up / found in
     the prefix cache at every admission (re-admissions after a preemption too); `cached_tokens_per_request` maps
     each finished request to the prompt tokens it skipped when first admitted. All are 0 / empty with
-    `enable_prefix_caching=false`. `peak_running_requests` is the most requests a step ran together;
+    `enable_prefix_caching=false`. `recomputed_tokens` counts the tokens (prompt and fed-back output) computed a
+    second time because a preemption dropped them: all a preempted request had computed without prefix caching,
+    with it only what was not found cached on resume. `peak_running_requests` is the most requests a step ran together;
     `peak_kv_blocks` the most blocks of the one KV-cache pool in use at once (of `num_kv_blocks - 1` usable).
     """
     out = dataclasses.asdict(self)
@@ -371,6 +374,7 @@ class LLMEngine:
     self.stats.generated_tokens += len(sampled)
     self.stats.prefix_cache_queries = self.scheduler.prefix_cache_queries
     self.stats.prefix_cache_hits = self.scheduler.prefix_cache_hits
+    self.stats.recomputed_tokens = self.scheduler.recomputed_tokens
     self.stats.peak_running_requests = max(self.stats.peak_running_requests, len(out.scheduled))
     self.stats.peak_kv_blocks = self.manager.peak_used_blocks
     self._count_time(

@@ -30,8 +30,8 @@ group and hash, so groups never take each other's blocks.
 Sliding-window freeing: a query at position q attends keys k with q - W < k <= q (W = window, self included).
 Queries only move forward, so once a step starts at `num_computed_tokens = c`, no query of this or any later
 step reads keys below `c - W + 1`: the first `(c - W + 1) // block_size` blocks are returned to the pool and
-their block-table entries become the null block 0. A preempted request is recomputed from position 0 with fresh
-blocks, so freed blocks are never needed again.
+their block-table entries become the null block 0. A preempted request starts again from position 0 with fresh
+blocks, or under prefix caching from the cached prefix it is given back (`find_prefix_hit`).
 """
 
 from __future__ import annotations
@@ -731,6 +731,42 @@ class KVCacheManager:
           f" {', '.join(g.describe() for g in full)}, but the pool has {self.num_blocks - 1} (block 0 is reserved);"
           " raise kv_cache_memory_bytes or num_kv_blocks"
       )
+
+  def blocks_to_grow(self, request_id: str, num_tokens: int, prefix_hit: PrefixHit | None = None) -> int:
+    """Free blocks a request may still take from the pool until its cache holds `num_tokens` tokens (the scheduler's
+    `admission_reserve=max_tokens`).
+
+    A group that keeps every block needs `cdiv(num_tokens, block_size)` blocks; a sliding-window group at most
+    the blocks one window spans, `cdiv(W - 1, block_size) + 1` (what a decode holds; a prefill chunk holds more
+    for one step: `window_spill_blocks`); recurrent groups hold no blocks. Blocks the request holds count as held;
+    a request holding none counts its prefix hit's blocks that other requests hold (the free cached ones it would
+    take back come out of the free blocks too).
+    """
+    tables = self._tables.get(request_id)
+    total = 0
+    for gid in self.attention_group_ids:
+      group = self.groups[gid]
+      target = cdiv(num_tokens, group.block_size)
+      if group.sliding_window:
+        target = min(target, cdiv(group.sliding_window - 1, group.block_size) + 1)
+      if tables is not None:
+        held = sum(1 for b in tables[gid] if b != NULL_BLOCK)
+      elif prefix_hit is not None:
+        held = sum(1 for b in prefix_hit.blocks[gid] if b != NULL_BLOCK and self._pool.refcount(b) > 0)
+      else:
+        held = 0
+      total += max(0, target - held)
+    return total
+
+  def window_spill_blocks(self, num_tokens: int, num_requests: int) -> int:
+    """The most blocks sliding-window groups hold beyond `blocks_to_grow`'s window in one step of `num_tokens`
+    tokens over `num_requests` requests: a chunk of n tokens reaches at most `cdiv(n, block_size)` blocks past
+    its window, so per group `cdiv(num_tokens, block_size) + num_requests` in all (0 without sliding windows)."""
+    return sum(
+        cdiv(num_tokens, self.groups[gid].block_size) + num_requests
+        for gid in self.attention_group_ids
+        if self.groups[gid].sliding_window
+    )
 
   def _request_tables(self, request_id: str) -> dict[int, list[int]]:
     if request_id not in self._tables:

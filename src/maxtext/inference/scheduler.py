@@ -6,13 +6,19 @@ One `schedule()` call picks the requests of the next model step and how many tok
      `max_num_batched_tokens` budget (chunked prefill);
   2. if nothing was preempted in this call, waiting requests in arrival order (FCFS, preempted ones included)
      while fewer than `max_num_seqs` requests run and budget is left; the first one that cannot get blocks stops
-     admission (no overtaking), it simply waits.
+     admission (no overtaking), it simply waits. With `admission_reserve=none` (vLLM's rule) a request is admitted
+     when the blocks of the tokens it computes now are free; with `max_tokens` the free blocks must also cover what
+     every running request and it will still take up to their `max_tokens` (`KVCacheManager.blocks_to_grow`), so
+     requests are not admitted only to be preempted when they grow (a lone request is always admitted).
 When a running request cannot get blocks, the NEWEST running request (largest arrival index, possibly the
 request itself; were it already scheduled in this call, its tokens would return to the budget) is preempted:
 its blocks and state slot are freed, `num_computed_tokens` resets to 0 and it rejoins the waiting queue keeping
-its generated tokens, so it later recomputes prompt + outputs as one prefill and continues where it stopped.
-The oldest request is therefore never preempted for a newer one and always advances, so every request finishes.
-If a request cannot get blocks even with no other request holding any, it can never fit: `schedule()` raises.
+its generated tokens, so it later computes prompt + outputs again as one prefill and continues where it stopped.
+With prefix caching its full blocks stay cached when freed (until evicted, its last blocks first), so it resumes
+from the longest prefix still cached and recomputes only the rest; `recomputed_tokens` counts the tokens computed
+a second time. The oldest request is therefore never preempted for a newer one and always advances, so every
+request finishes. If a request cannot get blocks even with no other request holding any, it can never fit:
+`schedule()` raises.
 
 Prefix caching (`enable_prefix_caching=true`): a request being admitted starts from the longest cached prefix
 every KV-cache group holds (`KVCacheManager.find_prefix_hit`) and computes only the rest; with recurrent layers a
@@ -34,10 +40,14 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from maxtext.inference.kv_cache_manager import KVCacheManager
+from maxtext.inference.prefix_cache import PrefixHit
 from maxtext.inference.prompts import num_generatable_tokens
 from maxtext.inference.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+RESERVE_NONE = "none"
+RESERVE_MAX_TOKENS = "max_tokens"
+ADMISSION_RESERVES = (RESERVE_NONE, RESERVE_MAX_TOKENS)
 
 
 class ScheduledRequest(NamedTuple):
@@ -100,14 +110,21 @@ class Scheduler:
   """Continuous-batching scheduler over a `KVCacheManager` (see the module docstring for the policy).
 
   Args:
-    cfg: the loaded config (max_num_seqs, max_num_batched_tokens, max_target_length, vocab_size).
+    cfg: the loaded config (max_num_seqs, max_num_batched_tokens, admission_reserve, max_target_length,
+      vocab_size).
     kv_cache_manager: allocates blocks and state slots.
     eos_token_id: sampling this token finishes a request with reason "stop" (None: only `stop_token_ids` stop).
+
+  Raises:
+    ValueError: `cfg.admission_reserve` is not one of `ADMISSION_RESERVES`.
   """
 
   def __init__(self, cfg: Any, kv_cache_manager: KVCacheManager, *, eos_token_id: int | None = None):
     self.max_num_seqs = int(cfg.max_num_seqs)
     self.max_num_batched_tokens = int(cfg.max_num_batched_tokens)
+    self.admission_reserve = str(cfg.admission_reserve)
+    if self.admission_reserve not in ADMISSION_RESERVES:
+      raise ValueError(f"admission_reserve={self.admission_reserve!r}: must be one of {', '.join(ADMISSION_RESERVES)}")
     self.max_target_length = int(cfg.max_target_length)
     self.vocab_size = int(cfg.vocab_size)
     self.kv_cache_manager = kv_cache_manager
@@ -119,6 +136,9 @@ class Scheduler:
     # Prefix caching: tokens looked up and tokens found, over every admission (re-admissions after preemption too).
     self.prefix_cache_queries = 0
     self.prefix_cache_hits = 0
+    # Tokens computed a second time because a preemption dropped them (the prefix cache gave back the rest).
+    self.recomputed_tokens = 0
+    self._computed_before: dict[str, int] = {}  # preempted request id -> the most tokens it had computed
 
   # ------------------------------------------------------------------ requests
   def add_request(self, request: Request) -> None:
@@ -215,7 +235,15 @@ class Scheduler:
         requests[request.request_id] = request
         budget -= n
 
-    while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+    if not preempted:
+      self._admit(budget, scheduled, requests)
+    return self._output(scheduled, requests, preempted)
+
+  def _admit(self, budget: int, scheduled: dict[str, int], requests: dict[str, Request]) -> None:
+    """Admits waiting requests in arrival order into `scheduled` / `requests` while seats, budget and blocks last
+    (and, with `admission_reserve=max_tokens`, the blocks the running requests may still take)."""
+    reserve = self._running_growth() if self.admission_reserve == RESERVE_MAX_TOKENS else 0
+    while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
       request = self.waiting[0]
       hit = None
       # A request that asks for its prompt's log-probabilities computes every position (vLLM does the same).
@@ -223,10 +251,17 @@ class Scheduler:
         hit = self.kv_cache_manager.find_prefix_hit(request.all_token_ids)
       computed = hit.num_tokens if hit is not None else 0
       n = self.kv_cache_manager.schedulable_tokens(computed, min(request.num_tokens - computed, budget))
+      if self.admission_reserve == RESERVE_MAX_TOKENS and self.running:
+        # A step's prefill chunks may hold blocks beyond the sliding windows for that step: one allowance for all.
+        spill = self.kv_cache_manager.window_spill_blocks(self.max_num_batched_tokens, len(self.running) + 1)
+        need = reserve + self._growth(request, hit if computed else None) + spill
+        if need > self.kv_cache_manager.num_free_blocks():
+          logger.debug("request %s waits: %d blocks may still be taken, fewer are free", request.request_id, need)
+          return
       if not self.kv_cache_manager.allocate_slots(request.request_id, computed, n, hit if computed else None):
         if not self.running:
           raise self._never_fits(request, n)
-        break
+        return
       if hit is not None:
         self._record_prefix_hit(request, computed)
       self.waiting.pop(0)
@@ -235,8 +270,22 @@ class Scheduler:
       scheduled[request.request_id] = n
       requests[request.request_id] = request
       budget -= n
+      if self.admission_reserve == RESERVE_MAX_TOKENS:
+        reserve += self._growth(request)
 
-    return self._output(scheduled, requests, preempted)
+  def _final_cached_tokens(self, request: Request) -> int:
+    """The most tokens the request's cache will hold: up to `max_tokens` generated (or `max_target_length`), the
+    last generated one never fed back."""
+    num_prompt = request.num_prompt_tokens
+    limit = num_generatable_tokens(num_prompt, request.sampling_params.max_tokens, self.max_target_length)
+    return num_prompt + limit - 1
+
+  def _growth(self, request: Request, hit: PrefixHit | None = None) -> int:
+    """Free blocks the request may still take until it reaches `max_tokens` (from its hit if it holds none)."""
+    return self.kv_cache_manager.blocks_to_grow(request.request_id, self._final_cached_tokens(request), hit)
+
+  def _running_growth(self) -> int:
+    return sum(self._growth(request) for request in self.running)
 
   def _output(self, scheduled: dict[str, int], requests: dict[str, Request], preempted: list[str]) -> SchedulerOutput:
     """The plan of `scheduled` (request id -> tokens): decodes first, the requests whose step ends their known
@@ -266,12 +315,14 @@ class Scheduler:
 
   def _preempt(self, request: Request) -> None:
     self.running.remove(request)
-    self.kv_cache_manager.free(request.request_id)
+    self.kv_cache_manager.free(request.request_id)  # under prefix caching its full blocks stay findable
+    rid = request.request_id
+    self._computed_before[rid] = max(self._computed_before.get(rid, 0), request.num_computed_tokens)
     request.num_computed_tokens = 0
     request.status = RequestStatus.PREEMPTED
     request.num_preemptions += 1
     bisect.insort(self.waiting, request, key=_arrival)
-    logger.info("preempted request %s (%d tokens to recompute)", request.request_id, request.num_tokens)
+    logger.info("preempted request %s (%d tokens computed so far)", request.request_id, self._computed_before[rid])
 
   def _never_fits(self, request: Request, n: int) -> RequestNeverFitsError:
     manager = self.kv_cache_manager
@@ -305,6 +356,7 @@ class Scheduler:
       return request
     request = next(r for r in self.waiting if r.request_id == request_id)
     self.waiting.remove(request)
+    self._computed_before.pop(request_id, None)
     # A waiting request holds nothing: a new one never allocated, a preempted one freed everything.
     assert not self.kv_cache_manager.has_request(request_id), request_id
     self._active_ids.discard(request_id)
@@ -346,6 +398,7 @@ class Scheduler:
         raise ValueError(f"request {rid!r}: sampled token {token!r} must be an int in [0, vocab_size={self.vocab_size})")
     finished = []
     for request, n in scheduler_output.scheduled:
+      self._count_recomputed(request, n)
       request.num_computed_tokens += n
       if self.kv_cache_manager.enable_prefix_caching:  # register the blocks this step completed
         self.kv_cache_manager.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
@@ -358,6 +411,16 @@ class Scheduler:
         self._finish(request, reason)
         finished.append(request)
     return finished
+
+  def _count_recomputed(self, request: Request, n: int) -> None:
+    """Counts the part of the step's `n` tokens the request had computed before a preemption."""
+    mark = self._computed_before.get(request.request_id)
+    if mark is None:
+      return
+    start = request.num_computed_tokens
+    self.recomputed_tokens += max(0, min(start + n, mark) - start)
+    if start + n >= mark:
+      del self._computed_before[request.request_id]
 
   def _finish_reason(self, request: Request, token: int) -> str | None:
     params = request.sampling_params
@@ -375,6 +438,7 @@ class Scheduler:
 
   def _finish(self, request: Request, reason: str) -> None:
     self.running.remove(request)
+    self._computed_before.pop(request.request_id, None)
     self.kv_cache_manager.free(request.request_id)
     self._active_ids.discard(request.request_id)
     request.status = RequestStatus.FINISHED

@@ -145,6 +145,31 @@ def test_cache_exhaustion_preempts_and_every_request_matches_its_solo_run(name):
 
 
 @pytest.mark.slow
+def test_a_preempted_request_resumes_from_the_prefix_cache_with_the_tokens_of_its_solo_run():
+  # scheduler_test's hand-computed case through the engine: 6 usable blocks of 4 tokens, b preempted in step 6
+  # with 12 tokens computed. Under prefix caching it resumes from its 8 cached tokens and computes 4 of them again,
+  # without from 0 (all 12 again); its tokens are those of its run alone in a pool that never preempts.
+  prompts = _prompts(9, (8, 8))
+  params = [SamplingParams(temperature=0.0, max_tokens=9), SamplingParams(temperature=0.0, max_tokens=10)]
+  roomy = _engine("llama-tiny", num_kv_blocks=64)
+  expected = [_alone(roomy, p, sp) for p, sp in zip(prompts, params)]
+  for prefix_caching, resumed_at, recomputed in ((True, 8, 4), (False, 0, 12)):
+    engine = _engine("llama-tiny", num_kv_blocks=7, enable_prefix_caching=prefix_caching)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done = {}
+    for _ in range(9):
+      done.update({f.request_id: f for f in engine.step()})
+    assert engine.stats.preemptions == 1 and list(done) == [ids[0]]
+    done.update({f.request_id: f for f in engine.step()})
+    assert [r.num_computed_tokens for r in engine.scheduler.running] == [13]  # b's resume step ran
+    assert engine.stats.prefix_cache_hits == resumed_at
+    done.update(_run(engine))
+    assert engine.stats.recomputed_tokens == engine.stats.as_dict()["recomputed_tokens"] == recomputed
+    assert [done[rid].output_token_ids for rid in ids] == expected
+    assert kv_cache_checks.all_free(engine.manager)
+
+
+@pytest.mark.slow
 def test_llm_abort_request_and_an_interrupted_generate_leave_nothing_behind(monkeypatch):
   llm = LLM(model_name="qwen3.5-tiny", **dict(RUNNER, num_kv_blocks=16))
   rid = llm.engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=30))

@@ -1,10 +1,14 @@
 """Tests of the continuous-batching scheduler (driven with a fake paged model, see conftest.py)."""
 
+import types
+
 import numpy as np
 import pytest
 
 from support import kv_cache_checks
+from maxtext.configs.errors import ConfigError
 from maxtext.inference import SamplingParams
+from maxtext.inference.batch import build_batch
 from maxtext.inference.kv_cache_manager import KVCacheManager
 from maxtext.inference.request import Request, RequestStatus
 from maxtext.inference.scheduler import Scheduler
@@ -225,3 +229,173 @@ def test_update_from_output_validation(configs, make_specs):
   assert scheduler.running[0].output_token_ids == [7] and isinstance(scheduler.running[0].output_token_ids[0], int)
   with pytest.raises(ValueError, match="request 'a': this scheduler output is stale"):
     scheduler.update_from_output(out, {"a": 7})
+
+
+def _step(scheduler, token=100):
+  """Schedules one step and samples `token` for every sampling request; returns the plan."""
+  out = scheduler.schedule()
+  scheduler.update_from_output(out, {rid: token for rid in out.sampling_request_ids})
+  return out
+
+
+@pytest.mark.parametrize("prefix_caching, resumed_at, recomputed", [(True, 8, 4), (False, 0, 12)])
+def test_preemption_recomputes_only_what_the_prefix_cache_lost(
+    configs, make_specs, prefix_caching, resumed_at, recomputed
+):
+  # 6 usable blocks of 4 tokens. a and b (8-token prompts) prefill in step 1, decode to 12 computed tokens each
+  # (3 blocks each: the pool is full) by step 5; in step 6 a needs a 4th block, so b (newest) is preempted with 12
+  # tokens computed. Under prefix caching b's 3 full blocks stay cached, freed last first, so a's new block evicts
+  # b's third block (tokens 8-11) and b's first two survive. b cannot come back while a runs (it needs 4 blocks);
+  # a (max_tokens 9: at most 16 cached tokens, 4 blocks) finishes in step 9, and in step 10 b resumes from its 8
+  # cached tokens and computes 8..12 (5 tokens, of which 8-11 again: 4), or without prefix caching all 13 from 0.
+  cfg = configs["llama"](
+      block_size=4, num_kv_blocks=7, max_num_batched_tokens=32, max_target_length=64, enable_prefix_caching=prefix_caching
+  )
+  scheduler = _scheduler(cfg, make_specs)
+  a = Request("a", list(range(3, 11)), SamplingParams(temperature=0.0, max_tokens=9))
+  b = Request("b", list(range(20, 28)), SamplingParams(temperature=0.0, max_tokens=10))
+  scheduler.add_request(a)
+  scheduler.add_request(b)
+  plans = [_step(scheduler) for _ in range(10)]
+  assert [p.preempted_request_ids for p in plans] == [()] * 5 + [("b",)] + [()] * 4
+  assert b.num_preemptions == 1 and a.status == RequestStatus.FINISHED and a.finish_reason == "length"
+  assert [_plan(p) for p in plans[6:9]] == [[("a", 1)]] * 3, "b waits while a runs"
+  assert _plan(plans[9]) == [("b", 13 - resumed_at)] and plans[9].num_computed_tokens["b"] == resumed_at
+  assert scheduler.recomputed_tokens == recomputed
+  while scheduler.has_unfinished_requests():
+    _step(scheduler)
+  assert scheduler.recomputed_tokens == recomputed, "nothing after the resume is counted"
+  assert len(b.output_token_ids) == 10
+
+
+def _drive(cfg, requests, make_specs, paged_fake_model):
+  """Runs the requests with the fake paged model; returns the scheduler and the resume points of preempted
+  requests (num_computed_tokens in the plan that readmits them)."""
+  specs, shared = make_specs(cfg)
+  manager = KVCacheManager(cfg, specs, shared)
+  scheduler = Scheduler(cfg, manager)
+  model = paged_fake_model(manager)
+  for request in requests:
+    scheduler.add_request(request)
+  resumed, scheduled = [], 0
+  for _ in range(2000):
+    if not scheduler.has_unfinished_requests():
+      break
+    preempted = {r.request_id for r in scheduler.waiting if r.num_preemptions}
+    out = scheduler.schedule()
+    resumed += [out.num_computed_tokens[r.request_id] for r, _ in out.scheduled if r.request_id in preempted]
+    scheduled += out.num_scheduled_tokens
+    predictions = model.step(build_batch(cfg, out, manager), out.slots_to_zero)
+    scheduler.update_from_output(out, {rid: predictions[rid] for rid in out.sampling_request_ids})
+  assert not scheduler.has_unfinished_requests() and kv_cache_checks.all_free(manager)
+  return scheduler, resumed, scheduled
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma3", "qwen3_next"])
+def test_a_preempted_request_resumes_from_its_cached_blocks_with_the_same_tokens(
+    configs, make_specs, paged_fake_model, reference, model
+):
+  # A pool that forces preemptions. With prefix caching some re-admission starts from cached blocks
+  # (num_computed_tokens > 0 in its plan) and fewer tokens are computed again; the tokens are the reference's.
+  # No prompt shares a block with another, so every token computed beyond each request's own
+  # prompt + outputs - 1 was computed again: the counter must equal that excess.
+  pool = {"llama": 13, "gemma3": 27, "qwen3_next": 13}[model]
+  recomputed = {}
+  for prefix_caching in (False, True):
+    cfg = configs[model](
+        block_size=4,
+        num_kv_blocks=pool,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        max_target_length=48,
+        enable_prefix_caching=prefix_caching,
+    )
+    rng = np.random.default_rng(11)
+    requests = [
+        Request(f"r{i}", rng.integers(3, 259, size=14).tolist(), SamplingParams(temperature=0.0, max_tokens=16))
+        for i in range(4)
+    ]
+    scheduler, resumed, scheduled = _drive(cfg, requests, make_specs, paged_fake_model)
+    assert resumed, "the pool is small enough that some request is preempted and resumed"
+    assert any(n > 0 for n in resumed) == prefix_caching, resumed
+    assert scheduler.recomputed_tokens == scheduled - sum(r.num_tokens - 1 for r in requests) > 0
+    _check_against_reference(requests, reference, cfg, model == "qwen3_next")
+    recomputed[prefix_caching] = scheduler.recomputed_tokens
+  assert recomputed[True] < recomputed[False], recomputed
+
+
+@pytest.mark.parametrize(
+    "reserve, first_plan", [("none", [("a", 4), ("b", 4), ("c", 4), ("d", 4)]), ("max_tokens", [("a", 4), ("b", 4)])]
+)
+def test_admission_reserve_admits_only_what_can_grow_to_max_tokens(configs, run, reference, reserve, first_plan):
+  # 8 usable blocks of 4 tokens; each request (4 prompt tokens, max_tokens 12) ends holding 15 tokens: 4 blocks.
+  # vLLM's rule admits all four at once (a block each) and they preempt each other as they grow. The reserve
+  # admits a (nothing runs), then b (a's 3 more + b's 4 = 7 <= 7 free), not c (3 + 3 + 4 = 10 > 6 free).
+  cfg = configs["llama"](
+      block_size=4, num_kv_blocks=9, max_num_batched_tokens=16, max_num_seqs=4, admission_reserve=reserve
+  )
+  requests = [Request(rid, [10 + i] * 4, SamplingParams(temperature=0.0, max_tokens=12)) for i, rid in enumerate("abcd")]
+  outputs, _, manager = run(cfg, requests)
+  assert _plan(outputs[0]) == first_plan
+  preemptions = sum(r.num_preemptions for r in requests)
+  assert preemptions > 0 if reserve == "none" else preemptions == 0
+  _check_against_reference(requests, reference, cfg, False)
+  assert kv_cache_checks.all_free(manager)
+
+
+@pytest.mark.parametrize("model", ["gemma3", "qwen3_next"])
+def test_admission_reserve_stops_preemptions_with_sliding_windows_and_recurrent_layers(configs, run, reference, model):
+  # Sliding-window groups are reserved up to a window's blocks, recurrent groups not at all: the same pool that
+  # makes the default preempt runs every request without a preemption, with the same tokens.
+  pool = {"gemma3": 31, "qwen3_next": 13}[model]
+  counts = {}
+  for reserve in ("none", "max_tokens"):
+    cfg = configs[model](
+        block_size=4,
+        num_kv_blocks=pool,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        max_target_length=48,
+        admission_reserve=reserve,
+    )
+    rng = np.random.default_rng(5)
+    requests = [
+        Request(f"r{i}", rng.integers(3, 259, size=10).tolist(), SamplingParams(temperature=0.0, max_tokens=20))
+        for i in range(6)
+    ]
+    _, _, manager = run(cfg, requests)
+    counts[reserve] = sum(r.num_preemptions for r in requests)
+    _check_against_reference(requests, reference, cfg, model == "qwen3_next")
+    assert kv_cache_checks.all_free(manager)
+  assert counts["none"] > 0 and counts["max_tokens"] == 0, counts
+
+
+def test_blocks_to_grow_counts_full_groups_to_the_end_and_sliding_groups_to_a_window(configs, make_specs):
+  # gemma3: two sliding groups (window 8: at most cdiv(7, 4) + 1 = 3 blocks each) and one full group, blocks of 4.
+  cfg = configs["gemma3"](block_size=4, num_kv_blocks=40, enable_prefix_caching=True)
+  specs, shared = make_specs(cfg)
+  manager = KVCacheManager(cfg, specs, shared)
+  assert manager.blocks_to_grow("a", 15) == 4 + 2 * 3
+  assert manager.blocks_to_grow("a", 6) == 2 + 2 * 2
+  assert manager.allocate_slots("a", 0, 9)  # 3 blocks in every group
+  assert manager.blocks_to_grow("a", 15) == 1 + 2 * 0
+  manager.cache_blocks("a", list(range(3, 12)), 9)  # blocks 0 and 1 of every group are full and cached
+  hit = manager.find_prefix_hit(list(range(3, 12)))
+  assert hit.num_tokens == 8
+  # a holds the hit's blocks, so a new request with that hit takes only what it lacks ...
+  assert manager.blocks_to_grow("b", 15, hit) == (4 - 2) + 2 * (3 - 2)
+  manager.free("a")
+  # ... but once they are free (cached, evictable) taking them back uses free blocks too.
+  assert manager.blocks_to_grow("b", 15, hit) == 4 + 2 * 3
+  # A step of 16 tokens over 3 requests reaches at most 16 / 4 + 3 blocks past the windows, in each sliding group.
+  assert manager.window_spill_blocks(16, 3) == 2 * (4 + 3) and manager.window_spill_blocks(1, 1) == 2 * (1 + 1)
+  plain = configs["llama"](block_size=4)
+  assert KVCacheManager(plain, *make_specs(plain)).window_spill_blocks(16, 3) == 0
+
+
+def test_admission_reserve_must_be_a_known_rule(configs, make_specs):
+  with pytest.raises(ConfigError, match=r"^admission_reserve='always': must be one of none, max_tokens$"):
+    configs["llama"](admission_reserve="always")
+  cfg = types.SimpleNamespace(**dict(configs["llama"]().items(), admission_reserve="max-tokens"))
+  with pytest.raises(ValueError, match=r"admission_reserve='max-tokens': must be one of none, max_tokens"):
+    _scheduler(cfg, make_specs)

@@ -31,6 +31,7 @@ VLLM_REPLACES = {
     "max_target_length": "vLLM's --max-model-len",
     "max_num_seqs": "vLLM's --max-num-seqs",
     "max_num_batched_tokens": "vLLM's --max-num-batched-tokens",
+    "admission_reserve": "nothing: vLLM's scheduler admits a request when the blocks of its tokens scheduled now fit",
     "enable_prefix_caching": "vLLM's --enable-prefix-caching / --no-enable-prefix-caching",
     "num_kv_blocks": "vLLM's --num-gpu-blocks-override (the runner sizes the cache)",
     "kv_cache_memory_bytes": "vLLM's --kv-cache-memory-bytes (the runner sizes the cache)",

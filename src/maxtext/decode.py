@@ -100,11 +100,10 @@ def _in_gc_callback(frame: types.FrameType | None) -> bool:
 
 
 def _open_progress_bars() -> list[Any]:
-  """The tqdm progress bars that are drawn and not closed (tqdm keeps them in a class-level set)."""
-  tqdm_module = sys.modules.get("tqdm")
-  if tqdm_module is None:
-    return []
-  return [p for p in list(getattr(tqdm_module.tqdm, "_instances", ())) if not getattr(p, "disable", True)]
+  """The tqdm progress bars that are drawn and not closed (tqdm keeps them in a class-level set); none while tqdm is
+  not imported, or is being imported (an interrupt can land inside its import, before the class exists)."""
+  tqdm_class = getattr(sys.modules.get("tqdm"), "tqdm", None)
+  return [p for p in list(getattr(tqdm_class, "_instances", ())) if not getattr(p, "disable", True)]
 
 
 def _end_progress_bars() -> None:

@@ -285,3 +285,14 @@ def test_one_cli_run_builds_the_config_once(monkeypatch, capsys):
   assert decode.main([BASE, *RUN, "prompt_token_ids=[1, 72, 105]", "max_new_tokens=2"]) == 0
   assert capsys.readouterr().out.strip()
   assert len(builds) == 1
+
+
+def test_open_progress_bars_while_tqdm_is_half_imported(monkeypatch):
+  # A Ctrl-C can land inside `import tqdm`, when the module is in sys.modules without its class yet: the handler
+  # must still print its line and exit 130, so it finds no bar rather than raising.
+  import types  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setitem(sys.modules, "tqdm", types.ModuleType("tqdm"))
+  assert decode._open_progress_bars() == []  # pylint: disable=protected-access
+  monkeypatch.delitem(sys.modules, "tqdm")
+  assert decode._open_progress_bars() == []  # pylint: disable=protected-access

@@ -80,6 +80,7 @@ def fixture_runs(folder, run_vllm) -> dict[str, dict]:
         folder,
         patched=patched,
         engine={**ENGINE, "num_gpu_blocks_override": blocks},
+        maxtext_config={"kernel_backend": "cpu"},
         prompts=_prompts(),
         max_tokens=NEW_TOKENS,
         watch_scheduler=True,

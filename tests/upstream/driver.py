@@ -90,7 +90,9 @@ def main(spec_path: str, out_path: str) -> None:
       additional_config={"maxtext_config": spec.get("maxtext_config", {})},
       **engine,
   )
-  params = SamplingParams(max_tokens=int(spec["max_tokens"]), temperature=0.0, ignore_eos=True, detokenize=False)
+  params = SamplingParams(
+      max_tokens=int(spec["max_tokens"]), temperature=0.0, ignore_eos=True, detokenize=False, logprobs=spec.get("logprobs")
+  )
   tokens, cached = [], []
   seen = watch_scheduler(llm) if spec.get("watch_scheduler") else None
   start = time.perf_counter()
@@ -98,6 +100,12 @@ def main(spec_path: str, out_path: str) -> None:
   for prompts in spec.get("rounds") or [spec["prompts"]]:
     outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
     tokens += [list(out.outputs[0].token_ids) for out in outputs]
+    if spec.get("logprobs"):
+      logprobs = [
+          [sorted((lp.logprob, t) for t, lp in position.items())[::-1] for position in out.outputs[0].logprobs]
+          for out in outputs
+      ]
+      pathlib.Path(out_path + ".logprobs").write_text(json.dumps(logprobs), encoding="utf-8")
     cached += [int(out.num_cached_tokens or 0) for out in outputs]
   seconds = time.perf_counter() - start
   result = {"tokens": tokens, "num_cached_tokens": cached, "layout": layout(llm), "jax": jax.__version__}

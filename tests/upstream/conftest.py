@@ -131,7 +131,7 @@ def run_vllm(tmp_path_factory, patched_tpu_inference, scratch_home):
         "max_tokens": max_tokens,
         "engine": {**cases.ENGINE, **(engine or {})},
         "watch_scheduler": watch_scheduler,
-        "logprobs": 2 if watch_scheduler else None,
+        "trace_resume": watch_scheduler,
     }
     key = json.dumps([spec, patched, devices], sort_keys=True)
     if key in done:

@@ -112,6 +112,22 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    # The 5:1 pattern with a short window, for the allocator's end-to-end measurement at 4k context
+    # (tests/upstream/allocator_test.py): a sliding layer keeps about window / block_size blocks of a request.
+    "gemma3_allocator": (
+        "gemma3_text",
+        dict(
+            _COMMON,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=12,
+            layer_types=[SLIDE] * 5 + [FULL] + [SLIDE] * 5 + [FULL],
+            sliding_window=128,
+            query_pre_attn_scalar=32,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+    ),
     # What a Gemma 3 GGUF file can describe (llama.cpp fixes 5 sliding : 1 full, the query scale 1/sqrt(head_dim) and
     # the sliding RoPE base 1e4), with linear RoPE scaling on the full layers and a window of 5.
     "gemma3_gguf": (

@@ -32,12 +32,16 @@ RUN_TIMEOUT_S = 600
 
 
 def pytest_terminal_summary(terminalreporter):
-  """serve_test.py's request timings, when it ran."""
-  lines = serve.summary()
-  if lines:
-    terminalreporter.section("vllm serve timings")
-    for line in lines:
-      terminalreporter.write_line(line)
+  """serve_test.py's request timings and allocator_test.py's figures, when they ran."""
+  allocator = sys.modules.get("allocator_test")
+  sections = (("vllm serve timings", serve.summary()),)
+  if allocator is not None:
+    sections += (("the hybrid allocator through vLLM's scheduler, 4k context", allocator.summary()),)
+  for title, lines in sections:
+    if lines:
+      terminalreporter.section(title)
+      for line in lines:
+        terminalreporter.write_line(line)
 
 
 def _main_python() -> str:
@@ -101,7 +105,8 @@ def fixture_scratch_home(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def run_vllm(tmp_path_factory, patched_tpu_inference, scratch_home):
-  """`run(model, patched=..., engine=, maxtext_config=, prompts=, rounds=, max_tokens=, devices=1) -> result`:
+  """`run(model, patched=..., engine=, maxtext_config=, prompts=, rounds=, max_tokens=, devices=1,
+  watch_scheduler=False) -> result`:
   one vLLM engine over this package's model in a fresh process (see driver.py for the result). A run with the
   same arguments is made once per session: several tests read one run."""
   done: dict[str, dict] = {}
@@ -116,6 +121,7 @@ def run_vllm(tmp_path_factory, patched_tpu_inference, scratch_home):
       rounds=(),
       max_tokens: int = cases.MAX_TOKENS,
       devices: int = 1,
+      watch_scheduler: bool = False,
   ) -> dict:
     spec = {
         "model": model,
@@ -124,6 +130,8 @@ def run_vllm(tmp_path_factory, patched_tpu_inference, scratch_home):
         "rounds": [[list(p) for p in prompts_of_round] for prompts_of_round in rounds],
         "max_tokens": max_tokens,
         "engine": {**cases.ENGINE, **(engine or {})},
+        "watch_scheduler": watch_scheduler,
+        "trace_resume": watch_scheduler,
     }
     key = json.dumps([spec, patched, devices], sort_keys=True)
     if key in done:

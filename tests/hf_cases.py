@@ -27,6 +27,17 @@ _COMMON = {
     "rms_norm_eps": 1e-6,
     "initializer_range": 0.05,
 }
+_GEMMA3_5TO1 = dict(
+    _COMMON,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=12,
+    layer_types=[SLIDE] * 5 + [FULL] + [SLIDE] * 5 + [FULL],
+    sliding_window=1024,
+    query_pre_attn_scalar=32,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
 _HYBRID = dict(_COMMON, **_GDN, num_hidden_layers=8, layer_types=[LIN, LIN, LIN, FULL] * 2)
 _HYBRID_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 64}
@@ -98,35 +109,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     # Gemma3's realistic pattern and window (5 sliding : 1 full, window 1024, as gemma3-4b) on tiny dimensions.
-    "gemma3_5to1": (
-        "gemma3_text",
-        dict(
-            _COMMON,
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=12,
-            layer_types=[SLIDE] * 5 + [FULL] + [SLIDE] * 5 + [FULL],
-            sliding_window=1024,
-            query_pre_attn_scalar=32,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-        ),
-    ),
+    "gemma3_5to1": ("gemma3_text", _GEMMA3_5TO1),
     # The 5:1 pattern with a short window, for the allocator's end-to-end measurement at 4k context
     # (tests/upstream/allocator_test.py): a sliding layer keeps about window / block_size blocks of a request.
     "gemma3_allocator": (
         "gemma3_text",
-        dict(
-            _COMMON,
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=12,
-            layer_types=[SLIDE] * 5 + [FULL] + [SLIDE] * 5 + [FULL],
-            sliding_window=128,
-            query_pre_attn_scalar=32,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-        ),
+        dict(_GEMMA3_5TO1, sliding_window=128, max_position_embeddings=4096),
     ),
     # What a Gemma 3 GGUF file can describe (llama.cpp fixes 5 sliding : 1 full, the query scale 1/sqrt(head_dim) and
     # the sliding RoPE base 1e4), with linear RoPE scaling on the full layers and a window of 5.

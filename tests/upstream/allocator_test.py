@@ -58,13 +58,18 @@ def _prompts() -> list[list[int]]:
 @pytest.fixture(name="folder", scope="module")
 def fixture_folder(tmp_path_factory) -> str:
   """The model as a Hugging Face folder (tests/hf_cases.py's `gemma3_allocator`), written in the main venv."""
-  folder = tmp_path_factory.mktemp("allocator") / "model"
+  return _hf_folder(tmp_path_factory, "gemma3_allocator")
+
+
+def _hf_folder(tmp_path_factory, case: str) -> str:
+  """tests/hf_cases.py's `case` saved as a Hugging Face folder by transformers, in the main venv."""
+  folder = tmp_path_factory.mktemp(case) / "model"
   code = (
-      "import sys; sys.path.insert(0, sys.argv[2]); from hf_cases import build_hf_model;"
-      " build_hf_model('gemma3_allocator').save_pretrained(sys.argv[1])"
+      "import sys; sys.path.insert(0, sys.argv[3]); from hf_cases import build_hf_model;"
+      " build_hf_model(sys.argv[2]).save_pretrained(sys.argv[1])"
   )
   subprocess.run(
-      [_main_python(), "-c", code, str(folder), str(serve.HERE.parent)],
+      [_main_python(), "-c", code, str(folder), case, str(serve.HERE.parent)],
       check=True,
       timeout=300,
       env={**os.environ, "JAX_PLATFORMS": "cpu"},
@@ -154,18 +159,7 @@ RESUME_ENGINE = {
 def fixture_resume_runs(tmp_path_factory, run_vllm) -> dict[str, dict]:
   """`{"async": result, "sync": result, "roomy": result}`: the tight pool with async scheduling on (the default) and
   off, and a pool of 256 blocks (no preemption)."""
-  folder = tmp_path_factory.mktemp("resume") / "model"
-  code = (
-      "import sys; sys.path.insert(0, sys.argv[2]); from hf_cases import build_hf_model;"
-      " build_hf_model('qwen3_untied').save_pretrained(sys.argv[1])"
-  )
-  subprocess.run(
-      [_main_python(), "-c", code, str(folder), str(serve.HERE.parent)],
-      check=True,
-      timeout=300,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"},
-      stdout=subprocess.DEVNULL,
-  )
+  folder = _hf_folder(tmp_path_factory, "qwen3_untied")
   prompts = [[(37 * i + 11 * r + 3) % 500 + 1 for i in range(RESUME_CONTEXT - RESUME_NEW)] for r in range(6)]
   engines = {
       "async": RESUME_ENGINE,
@@ -173,9 +167,7 @@ def fixture_resume_runs(tmp_path_factory, run_vllm) -> dict[str, dict]:
       "roomy": {**RESUME_ENGINE, "num_gpu_blocks_override": 256},
   }
   return {
-      name: run_vllm(
-          str(folder), patched=False, engine=engine, prompts=prompts, max_tokens=RESUME_NEW, watch_scheduler=True
-      )
+      name: run_vllm(folder, patched=False, engine=engine, prompts=prompts, max_tokens=RESUME_NEW, watch_scheduler=True)
       for name, engine in engines.items()
   }
 

@@ -12,6 +12,8 @@ blocks as those bytes hold in their layout. It reports, side by side:
   admitted    the most requests a step ran together (the engine's `peak_running_requests`)
   preempt     preemptions
   recomp      tokens computed again after a preemption (the engine's `recomputed_tokens`)
+  steps       model steps (where a step costs the same however many requests it holds, time follows steps; on a
+              CPU the kernels' work grows with the tokens a step holds, so tok/s moves much less than steps)
   tok/s       generated tokens per second of wall time over the steps that compiled nothing (the first steps of
               each shape compile; their time and tokens are left out of both modes alike)
   same        whether the greedy tokens of both modes are identical
@@ -137,6 +139,7 @@ def run_engine(overrides: dict[str, Any], prompts: Sequence[Sequence[int]], new_
       "admitted": stats.peak_running_requests,
       "preemptions": stats.preemptions,
       "recomputed_tokens": stats.recomputed_tokens,
+      "steps": stats.steps,
       "num_blocks": engine.manager.num_blocks,
       "peak_kv_blocks": stats.peak_kv_blocks,
       "generated_tokens": stats.generated_tokens,
@@ -195,7 +198,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
   """Human-readable table of `measure` results (on / off side by side)."""
   header = (
       f"{'model':<8} {'context':>7} {'chunk':>5} {'seqs':>4} {'reserve':<10} {'MiB':>4} {'blocks on/off':>13} "
-      f"{'admitted on/off':>15} {'ratio':>5} {'preempt on/off':>14} {'recomp on/off':>17} {'tok/s on/off':>13} "
+      f"{'admitted on/off':>15} {'ratio':>5} {'preempt on/off':>14} {'recomp on/off':>17} {'steps on/off':>13} "
+      f"{'tok/s on/off':>13} "
       f"{'ratio':>5} {'same':>4}"
   )
   lines = [header, "-" * len(header)]
@@ -207,6 +211,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         f"{on['admitted']:>7}/{off['admitted']:<7} {row['admitted_ratio']:>5.2f} "
         f"{on['preemptions']:>6}/{off['preemptions']:<7} "
         f"{on['recomputed_tokens']:>8}/{off['recomputed_tokens']:<8} "
+        f"{on['steps']:>6}/{off['steps']:<6} "
         f"{on['tokens_per_s']:>6.0f}/{off['tokens_per_s']:<6.0f} {row['tokens_per_s_ratio']:>5.2f} "
         f"{'yes' if row['same_tokens'] else 'NO':>4}"
     )

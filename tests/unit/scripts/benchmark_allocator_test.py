@@ -80,8 +80,8 @@ def test_compare_gives_the_ratios_and_the_token_check():
 
 def test_table_has_one_line_per_cell():
   benchmark = _load_benchmark()
-  on = {"num_blocks": 60, "admitted": 8, "preemptions": 0, "recomputed_tokens": 0, "tokens_per_s": 150.0}
-  off = {"num_blocks": 10, "admitted": 2, "preemptions": 3, "recomputed_tokens": 4096, "tokens_per_s": 50.0}
+  on = {"num_blocks": 60, "admitted": 8, "preemptions": 0, "recomputed_tokens": 0, "steps": 90, "tokens_per_s": 150.0}
+  off = {"num_blocks": 10, "admitted": 2, "preemptions": 3, "recomputed_tokens": 4096, "steps": 300, "tokens_per_s": 50.0}
   row = {"model": "gemma3", "context": 4096, "chunk": 512, "max_num_seqs": 24, "reserve": "max_tokens"}
   row.update(cache_bytes=400 * 2**20, on=on, off=off, same_tokens=False, admitted_ratio=4.0, tokens_per_s_ratio=3.0)
   lines = benchmark.format_table([row]).splitlines()
@@ -98,6 +98,7 @@ def test_table_has_one_line_per_cell():
       "4.00",
       "0/3",
       "0/4096",
+      "90/300",
       "150/50",
       "3.00",
       "NO",
@@ -116,6 +117,7 @@ def test_quick_run_reports_both_modes_with_the_same_tokens(capsys, tmp_path):
   # The same 20 MiB hold 6x the blocks with 2 shared arrays as with 12 (one per layer).
   assert row["on"]["num_blocks"] == 6 * row["off"]["num_blocks"] + 2
   assert row["on"]["admitted"] >= row["off"]["admitted"] >= 1
+  assert 0 < row["on"]["steps"] <= row["off"]["steps"]
   if report["plot"].startswith("wrote"):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

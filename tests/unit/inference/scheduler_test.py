@@ -291,6 +291,22 @@ def _drive(cfg, requests, make_specs, paged_fake_model):
   return scheduler, resumed, scheduled
 
 
+def _tight_pool_workload(make_config, pool, *, seed, num_requests, prompt_len, max_tokens, **keys):
+  """A config of `pool` blocks of 4 tokens (4 seats, 16-token steps, 48-token context) and `num_requests` greedy
+  requests of random prompts: the workload of the preemption and admission tests."""
+  cfg = make_config(
+      block_size=4, num_kv_blocks=pool, max_num_batched_tokens=16, max_num_seqs=4, max_target_length=48, **keys
+  )
+  rng = np.random.default_rng(seed)
+  requests = [
+      Request(
+          f"r{i}", rng.integers(3, 259, size=prompt_len).tolist(), SamplingParams(temperature=0.0, max_tokens=max_tokens)
+      )
+      for i in range(num_requests)
+  ]
+  return cfg, requests
+
+
 @pytest.mark.parametrize("model", ["llama", "gemma3", "qwen3_next"])
 def test_a_preempted_request_resumes_from_its_cached_blocks_with_the_same_tokens(
     configs, make_specs, paged_fake_model, reference, model
@@ -302,19 +318,9 @@ def test_a_preempted_request_resumes_from_its_cached_blocks_with_the_same_tokens
   pool = {"llama": 13, "gemma3": 27, "qwen3_next": 13}[model]
   recomputed = {}
   for prefix_caching in (False, True):
-    cfg = configs[model](
-        block_size=4,
-        num_kv_blocks=pool,
-        max_num_batched_tokens=16,
-        max_num_seqs=4,
-        max_target_length=48,
-        enable_prefix_caching=prefix_caching,
+    cfg, requests = _tight_pool_workload(
+        configs[model], pool, seed=11, num_requests=4, prompt_len=14, max_tokens=16, enable_prefix_caching=prefix_caching
     )
-    rng = np.random.default_rng(11)
-    requests = [
-        Request(f"r{i}", rng.integers(3, 259, size=14).tolist(), SamplingParams(temperature=0.0, max_tokens=16))
-        for i in range(4)
-    ]
     scheduler, resumed, scheduled = _drive(cfg, requests, make_specs, paged_fake_model)
     assert resumed, "the pool is small enough that some request is preempted and resumed"
     assert any(n > 0 for n in resumed) == prefix_caching, resumed
@@ -350,19 +356,9 @@ def test_admission_reserve_stops_preemptions_with_sliding_windows_and_recurrent_
   pool = {"gemma3": 31, "qwen3_next": 13}[model]
   counts = {}
   for reserve in ("none", "max_tokens"):
-    cfg = configs[model](
-        block_size=4,
-        num_kv_blocks=pool,
-        max_num_batched_tokens=16,
-        max_num_seqs=4,
-        max_target_length=48,
-        admission_reserve=reserve,
+    cfg, requests = _tight_pool_workload(
+        configs[model], pool, seed=5, num_requests=6, prompt_len=10, max_tokens=20, admission_reserve=reserve
     )
-    rng = np.random.default_rng(5)
-    requests = [
-        Request(f"r{i}", rng.integers(3, 259, size=10).tolist(), SamplingParams(temperature=0.0, max_tokens=20))
-        for i in range(6)
-    ]
     _, _, manager = run(cfg, requests)
     counts[reserve] = sum(r.num_preemptions for r in requests)
     _check_against_reference(requests, reference, cfg, model == "qwen3_next")
